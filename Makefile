@@ -1,0 +1,37 @@
+# Two entry points: `make run` and `make test`. Both create .venv when it is missing and are idempotent.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# torch is pinned here (not in pyproject) so pip takes the CPU wheel this machine class has on disk.
+TORCH  := torch==2.13.0
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install $(TORCH)
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) install -e '.[test]'
+	touch $@
+
+.PHONY: run test lint format clean
+run: $(VENV)/.installed
+	$(VENV)/bin/frugaltrain train --config examples/default.toml
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format: $(VENV)/.installed-test
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,5 @@
+import sys
+
+from frugaltrain.cli import main
+
+sys.exit(main())
