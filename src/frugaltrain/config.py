@@ -186,6 +186,10 @@ def validate(cfg: Config) -> None:
     _require(o.H >= 1, "outer.H", o.H, "must be at least 1 (inner steps per outer round)")
     _require(o.H <= r.steps, "outer.H", o.H,
              f"exceeds run.steps = {r.steps}, so no outer round would run; lower outer.H")
+    if o.strategy != "ddp":
+        _require(r.steps % o.H == 0, "run.steps", r.steps,
+                 f"must be a multiple of outer.H = {o.H} so the run ends on an outer round; "
+                 f"use run.steps = {max(o.H, r.steps // o.H * o.H)}")
     _require(o.lr > 0, "outer.lr", o.lr, "must be positive")
     _require(0 <= o.momentum < 1, "outer.momentum", o.momentum, "must be in [0, 1)")
 

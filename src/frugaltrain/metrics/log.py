@@ -1,0 +1,43 @@
+"""Run metrics as JSON lines: one record per inner step ("step") and per outer round ("round").
+
+Keys are namespaced and carry units (`loss/train`, `time/compute_s`, `comm/bytes_sent`). Every
+record names where its time figures come from in `clock`: "measured" (wall clock of real
+processes) or "simulated" (the simulator's virtual clock). Values that were not measured are
+left out, never written as zero.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSONL writer; only worker 0 writes (others pass `enabled=False`)."""
+
+    def __init__(self, path: Path, enabled: bool = True, truncate_after_step: int | None = None):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled and truncate_after_step is not None and self.path.exists():
+            # Resuming: keep the records up to the checkpoint so the log continues seamlessly.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line and json.loads(line).get("step", 0) <= truncate_after_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._f = open(self.path, "a") if enabled else None  # noqa: SIM115
+
+    def write(self, record: dict) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

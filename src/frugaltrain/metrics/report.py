@@ -1,0 +1,119 @@
+"""Summary table and loss plots of a run, from its metrics.jsonl alone (so `report` can re-render)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from frugaltrain.metrics.log import read_metrics
+
+
+def summarize(records: list[dict]) -> dict:
+    """Totals over the run, taken from the per-round records."""
+    rounds = [r for r in records if r.get("kind") == "round"]
+    if not rounds:
+        return {}
+    last = rounds[-1]
+    vals = [r["loss/val"] for r in rounds if "loss/val" in r]
+    compute = sum(r["time/compute_s"] for r in rounds)
+    blocking = sum(r["time/blocking_s"] for r in rounds)
+    out = {
+        "strategy": last.get("strategy"),
+        "workers": last.get("workers"),
+        "clock": last.get("clock", "measured"),
+        "rounds": last["round"],
+        "steps": last["step"],
+        "tokens": last["tokens"],
+        "loss/train_last": last["loss/train"],
+        "loss/val_first": vals[0] if vals else None,
+        "loss/val_last": vals[-1] if vals else None,
+        "time/compute_s": compute,
+        "time/blocking_s": blocking,
+        "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
+        "comm/bytes_sent": sum(r["comm/bytes_sent"] for r in rounds),
+        "comm/bytes_received": sum(r["comm/bytes_received"] for r in rounds),
+        "time/wall_s": last.get("time/wall_s"),
+    }
+    for key in ("energy/joules", "energy/label", "flops/train"):
+        if key in last:
+            out[key] = last[key]
+    return out
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_summary(summary: dict) -> str:
+    clock = summary.get("clock", "measured")
+    rows = [
+        ("strategy / workers", f"{summary['strategy']} / {summary['workers']}"),
+        ("rounds / inner steps", f"{summary['rounds']} / {summary['steps']}"),
+        ("tokens (all workers)", _fmt(summary["tokens"])),
+        ("train loss (last round)", _fmt(summary["loss/train_last"])),
+        ("val loss first -> last", f"{_fmt(summary['loss/val_first'])} -> "
+                                   f"{_fmt(summary['loss/val_last'])}"),
+        (f"compute s per worker ({clock})", _fmt(summary["time/compute_s"])),
+        (f"blocking comm s per worker ({clock})", _fmt(summary["time/blocking_s"])),
+        (f"compute utilization ({clock})", _fmt(summary["util/compute"])),
+        ("bytes sent per worker (model-counted)", _fmt(summary["comm/bytes_sent"])),
+        ("bytes received per worker (model-counted)", _fmt(summary["comm/bytes_received"])),
+        (f"wall s ({clock})", _fmt(summary["time/wall_s"])),
+    ]
+    if "energy/joules" in summary:
+        rows.append((f"energy J ({summary.get('energy/label')})", _fmt(summary["energy/joules"])))
+    if "flops/train" in summary:
+        rows.append(("training FLOPs (estimated, analytic)", _fmt(summary["flops/train"])))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  -----"]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def plot_losses(records: list[dict], path: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.get("kind") == "step"]
+    rounds = [r for r in records if r.get("kind") == "round" and "loss/val" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        ax.plot([r["step"] for r in steps], [r["loss/train"] for r in steps],
+                lw=0.8, alpha=0.6, label="train loss (worker 0)")
+    if rounds:
+        ax.plot([r["step"] for r in rounds], [r["loss/val"] for r in rounds],
+                "o-", label="validation loss (mean over workers)")
+    ax.set_xlabel("inner step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(run_dir: str | Path, quiet: bool = False) -> dict:
+    """Re-render summary.json, the summary table and loss.png from RUN_DIR/metrics.jsonl."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        from frugaltrain.config import ConfigError
+
+        raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory from `train`")
+    records = read_metrics(metrics)
+    summary = summarize(records)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    title = f"{summary.get('strategy')} x{summary.get('workers')} ({run_dir.name})"
+    plot = plot_losses(records, run_dir / "loss.png", title)
+    if not quiet:
+        print(format_summary(summary) if summary else "no complete round yet")
+        print(f"plot: {plot}")
+    return summary

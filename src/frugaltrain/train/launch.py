@@ -1,0 +1,136 @@
+"""Start a training run: pick the run directory, then run 1 worker in-process, N local worker
+processes joined by torch.distributed, or one worker under torchrun.
+
+    frugaltrain train --workers 4                    # 4 local processes, gloo on CPU
+    torchrun --nnodes 2 --nproc-per-node 4 -m frugaltrain train --config my.toml
+                                                     # across machines: torchrun sets RANK etc.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from frugaltrain.comm import LocalComm
+from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
+from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
+from frugaltrain.train import checkpoint
+from frugaltrain.train.loop import train_worker
+
+
+def new_run_dir(cfg: Config) -> Path:
+    base = Path(cfg.run.out_dir) / cfg.run.name
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def check_data(cfg: Config) -> None:
+    """Fail before starting workers if the corpus or any worker's shard cannot serve batches."""
+    d = cfg.data
+    if cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: byte tokens need at "
+                          "least 256; set model.vocab_size = 256")
+    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    for rank in range(cfg.run.workers):
+        BatchSampler(shard_tokens(corpus.train, rank, cfg.run.workers, d.num_shards, d.sharding),
+                     d.seq_len, d.batch_size, 0)
+    BatchSampler(corpus.val, d.seq_len, d.batch_size, 0)
+
+
+def _threads(cfg: Config) -> int:
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
+
+
+def _backend(cfg: Config) -> str:
+    if cfg.run.backend != "auto":
+        return cfg.run.backend
+    return "nccl" if cfg.run.device == "cuda" else "gloo"
+
+
+def _run_process(rank: int, cfg_toml: str, run_dir: str, port: int, resume: str | None) -> None:
+    """Entry of a spawned local worker process."""
+    from frugaltrain.comm.torchdist import TorchDistComm
+
+    cfg = build_config(Config, __import__("tomllib").loads(cfg_toml))
+    torch.set_num_threads(_threads(cfg))
+    store = dist.TCPStore("127.0.0.1", port, cfg.run.workers, is_master=False,
+                          timeout=timedelta(seconds=cfg.run.timeout_s))
+    dist.init_process_group(_backend(cfg), store=store, rank=rank, world_size=cfg.run.workers,
+                            timeout=timedelta(seconds=cfg.run.timeout_s))
+    try:
+        train_worker(cfg, TorchDistComm(), Path(run_dir), Path(resume) if resume else None)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
+    """Run all workers of `cfg` to completion on this machine (or this torchrun rank)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from frugaltrain.comm.torchdist import TorchDistComm
+
+        dist.init_process_group(_backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
+        if dist.get_world_size() != cfg.run.workers:
+            raise ConfigError(f"run.workers = {cfg.run.workers} but torchrun started "
+                              f"{dist.get_world_size()} processes; make them equal")
+        try:
+            train_worker(cfg, TorchDistComm(), run_dir, resume_from)
+        finally:
+            dist.destroy_process_group()
+        return
+    if cfg.run.workers == 1:
+        torch.set_num_threads(_threads(cfg))
+        train_worker(cfg, LocalComm(), run_dir, resume_from)
+        return
+    # N local processes meeting at a store this process hosts on a free port (port 0).
+    store = dist.TCPStore("127.0.0.1", 0, cfg.run.workers, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=cfg.run.timeout_s))
+    torch.multiprocessing.start_processes(
+        _run_process,
+        args=(to_toml(cfg), str(run_dir), store.port, str(resume_from) if resume_from else None),
+        nprocs=cfg.run.workers, start_method="spawn", join=True,
+    )
+    del store
+
+
+def prepare(config_path: str | None, overrides: list[str], resume: str | None):
+    """Build the config and run directory (new, or an existing one to resume)."""
+    if resume:
+        run_dir = Path(resume)
+        saved = run_dir / "config.toml"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {resume}: no config.toml there; pass a run directory")
+        # A resumed run goes to the end unless a new stop is asked for explicitly.
+        cfg = build_config(Config, read_toml(saved), ["run.stop_at_round=0", *overrides])
+        ckpt = checkpoint.latest_complete(run_dir)
+        if ckpt is None:
+            raise ConfigError(f"--resume {resume}: no complete checkpoint under "
+                              f"{run_dir / 'checkpoints'}; start a new run instead")
+        return cfg, run_dir, ckpt
+    cfg = load_config(config_path, overrides)
+    check_data(cfg)
+    run_dir = new_run_dir(cfg)
+    return cfg, run_dir, None
+
+
+def train_from_cli(config_path: str | None, overrides: list[str], resume: str | None) -> int:
+    from frugaltrain.metrics.report import report
+
+    cfg, run_dir, ckpt = prepare(config_path, overrides, resume)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    is_rank0 = int(os.environ.get("RANK", "0")) == 0
+    if is_rank0:
+        where = f", resuming from {ckpt.name}" if ckpt else ""
+        print(f"run dir: {run_dir} ({cfg.outer.strategy}, {cfg.run.workers} workers{where})")
+    run(cfg, run_dir, ckpt)
+    if is_rank0:
+        report(run_dir)
+    return 0
+
+

@@ -1,0 +1,195 @@
+"""The training loop of one worker, top to bottom: data, model, inner optimizer, outer strategy,
+then inner steps with an outer round every H steps, evaluation, metrics and checkpoints.
+
+Every worker runs this same function; worker 0 additionally writes metrics and shows progress.
+Timing (all measured wall clock, per worker):
+    compute_s  = time in forward, backward and the inner optimizer step
+    blocking_s = time blocked in communication (Handle.wait), from the comm's own accounting
+    utilization = compute_s / (compute_s + blocking_s)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from frugaltrain.comm import Comm
+from frugaltrain.config import Config
+from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
+from frugaltrain.metrics.log import MetricsLog
+from frugaltrain.models.gpt import GPT, GPTConfig
+from frugaltrain.outer import STRATEGIES
+from frugaltrain.train import checkpoint
+from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+
+
+@dataclass
+class WorkerResult:
+    step: int
+    round: int
+    val_loss: float | None
+    model: torch.nn.Module
+
+
+def build_model(cfg: Config) -> GPT:
+    m = cfg.model
+    torch.manual_seed(cfg.run.seed)  # same init on every worker: DiLoCo needs one shared x
+    return GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                         vocab_size=m.vocab_size, block_size=cfg.data.seq_len,
+                         dropout=m.dropout, bias=m.bias, tie_embeddings=m.tie_embeddings))
+
+
+def build_strategy(cfg: Config, model: torch.nn.Module, comm: Comm):
+    o = cfg.outer
+    if o.strategy == "ddp":
+        return STRATEGIES["ddp"](model, comm, H=o.H)
+    return STRATEGIES[o.strategy](model, comm, H=o.H, lr=o.lr, momentum=o.momentum,
+                                  nesterov=o.nesterov)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    was_training = model.training
+    model.eval()
+    total = sum(model(x, y)[1].item() for x, y in batches) / len(batches)
+    model.train(was_training)
+    return total
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | None = None):
+    """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
+    WorkerResult. Call on every worker with the same config."""
+    r, d = cfg.run, cfg.data
+    rank, M, H = comm.rank, comm.world_size, cfg.outer.H
+    is_main = rank == 0
+
+    # ---- data: this worker's shard, and fixed validation batches shared by all workers
+    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    shard = shard_tokens(corpus.train, rank, M, d.num_shards, d.sharding)
+    sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, rank))
+    val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
+    val_batches = [val_sampler.batch(i) for i in range(r.eval_batches)]
+
+    # ---- model, inner optimizer and schedule, outer strategy
+    model = build_model(cfg)
+    model.train()
+    inner = build_inner_optimizer(model, cfg.optim)
+    schedule = build_schedule(inner, cfg.optim, r.steps)
+    strategy = build_strategy(cfg, model, comm)
+    torch.manual_seed(worker_seed(r.seed, rank))  # dropout differs per worker
+
+    step, round_idx = 0, 0
+    if resume_from is not None:
+        state = checkpoint.load_worker(resume_from, rank, cfg)
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+        schedule.load_state_dict(state["schedule"])
+        strategy.load_state_dict(state["outer"])
+        _set_rng_state(state["rng"])
+        step, round_idx = state["step"], state["round"]  # step is also the data cursor
+
+    log = MetricsLog(run_dir / "metrics.jsonl", enabled=is_main,
+                     truncate_after_step=step if resume_from is not None else None)
+    bar = None
+    if is_main and r.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=r.steps, initial=step, desc=f"{cfg.outer.strategy} x{M}", unit="step",
+                   leave=False)
+
+    tokens_per_step = d.batch_size * d.seq_len
+    stop_round = r.stop_at_round or None
+    val_loss = None
+    t_start = time.perf_counter()
+    round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
+    stats_at_round_start = comm.stats.copy()
+
+    while step < r.steps:
+        # ---- one inner step (compute), with the gradient sync of DDP counted as blocking
+        t0 = time.perf_counter()
+        blocked0 = comm.stats.blocking_s
+        x, y = sampler.batch(step)
+        _, loss = model(x, y)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"[worker {rank} step {step}] non-finite loss {loss.item()}; stopping before the "
+                "update (lower optim.lr or raise optim.warmup_steps)"
+            )
+        loss.backward()
+        strategy.sync_grads()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        lr = inner.param_groups[0]["lr"]
+        inner.step()
+        schedule.step()
+        inner.zero_grad(set_to_none=True)
+        step += 1
+        round_compute += time.perf_counter() - t0 - (comm.stats.blocking_s - blocked0)
+        loss_value = loss.item()
+        round_loss_sum += loss_value
+        round_steps += 1
+        log.write({"kind": "step", "step": step, "loss/train": loss_value, "lr": lr})
+        if bar is not None:
+            bar.update(1)
+
+        # ---- outer round (blocking communication is accounted inside the comm)
+        if not strategy.after_step(step) and step < r.steps:
+            continue
+        round_idx += 1
+        due_eval = r.eval_every and (step // r.eval_every > (step - round_steps) // r.eval_every)
+        val_loss = evaluate(model, val_batches) if (due_eval or step == r.steps) else None
+
+        delta = comm.stats.minus(stats_at_round_start)
+        mean = comm.metric_mean([round_loss_sum / round_steps, round_compute, delta.blocking_s,
+                                 delta.bytes_sent, delta.bytes_received,
+                                 val_loss if val_loss is not None else 0.0])
+        record = {
+            "kind": "round", "round": round_idx, "step": step, "strategy": cfg.outer.strategy,
+            "workers": M, "clock": "measured",
+            "tokens": step * tokens_per_step * M,
+            "loss/train": mean[0], "lr": lr,
+            "time/compute_s": mean[1], "time/blocking_s": mean[2],
+            "util/compute": mean[1] / (mean[1] + mean[2]) if mean[1] + mean[2] > 0 else None,
+            "comm/bytes_sent": int(mean[3]), "comm/bytes_received": int(mean[4]),
+            "time/wall_s": time.perf_counter() - t_start,
+        }
+        if val_loss is not None:
+            record["loss/val"] = mean[5]
+            if bar is not None:
+                bar.set_postfix(val=f"{mean[5]:.3f}")
+        log.write(record)
+        log.flush()
+        round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
+        stats_at_round_start = comm.stats.copy()
+
+        last = step >= r.steps or (stop_round is not None and round_idx >= stop_round)
+        if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
+            state = {
+                "model": model.state_dict(), "inner": inner.state_dict(),
+                "schedule": schedule.state_dict(), "outer": strategy.state_dict(),
+                "rng": _rng_state(), "step": step, "round": round_idx,
+            }
+            checkpoint.save_worker(run_dir, round_idx, rank, state)
+            comm.barrier()
+            if is_main:
+                checkpoint.mark_complete(run_dir, round_idx, step, cfg)
+        if stop_round is not None and round_idx >= stop_round:
+            break
+
+    if bar is not None:
+        bar.close()
+    log.close()
+    return WorkerResult(step=step, round=round_idx, val_loss=val_loss, model=model)

@@ -1,0 +1,45 @@
+"""The inner optimizer and its learning-rate schedule (linear warmup, then cosine decay)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from frugaltrain.config import OptimSection
+
+
+def decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Weight decay on matrices and embeddings (dim >= 2), none on norms and biases."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return decay, no_decay
+
+
+def build_inner_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
+    decay, no_decay = decay_split(model)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for inner step `step` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, cfg: OptimSection, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    )
