@@ -1,0 +1,361 @@
+"""The memory pool between encoder producers and backbone consumers.
+
+Two backends with one interface:
+
+- `ShmPool`: one host. Each producer owns a segment: a preallocated shared-memory slab
+  [slots, max_tokens, Dv] plus a gradient slab of the same shape. Descriptors (small tuples) go
+  through multiprocessing queues; payloads never do.
+- `DistPool`: across processes or hosts over torch.distributed point-to-point (gloo on CPU).
+  A producer's segment is its local slab; `put` posts an isend from the slot, and the slot is
+  free again once the send (and, with a trainable encoder, the returning gradient) completes.
+
+Addresses follow FlowTrain's global virtual address idea: gva = segment << 40 | byte offset.
+
+Slot state machine (ShmPool keeps it in a shared tensor and asserts every transition):
+
+    FREE -> WRITING (producer) -> READY (descriptor published) -> LEASED (consumer took it)
+    LEASED -> FREE                                (frozen encoder: consumer released it)
+    LEASED -> GRAD_READY (consumer wrote dL/demb) -> FREE (producer read the gradient)
+
+Exactly once: a descriptor is queued once, to the one consumer the plan names, and taken once.
+Backpressure: `put` blocks while its segment has no FREE slot (traced as "backpressure").
+Failure: every blocking call polls a shared `closed` flag and a deadline, so a crashed peer or a
+deadlock raises `PoolClosed` / `TimeoutError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from datetime import timedelta
+
+import torch
+
+FREE, WRITING, READY, LEASED, GRAD_READY = range(5)
+_POLL_S = 0.01  # how often a blocked call re-checks the closed flag
+
+
+class PoolClosed(RuntimeError):
+    """The pool was closed (shutdown or a failure elsewhere) while a call was blocked on it."""
+
+
+def encode_gva(segment: int, offset_bytes: int) -> int:
+    assert 0 <= offset_bytes < 1 << 40 and segment >= 0
+    return segment << 40 | offset_bytes
+
+
+def decode_gva(gva: int) -> tuple[int, int]:
+    return gva >> 40, gva & ((1 << 40) - 1)
+
+
+class ShmPool:
+    """Shared-memory pool for P producers and C consumers on one host (see module docstring).
+
+    Build it in the parent, pass it to `spawn`ed children (or threads), then call
+    `producer(p)` / `consumer(c)` there. `close()` from anywhere unblocks everyone.
+    """
+
+    def __init__(
+        self,
+        *,
+        producers: int,
+        consumers: int,
+        slots: int,
+        max_tokens: int,
+        dim: int,
+        dtype: torch.dtype,
+        timeout_s: float,
+        ctx,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"pool.slots = {slots}: must be at least 1")
+        self.P, self.C, self.S, self.T, self.D = producers, consumers, slots, max_tokens, dim
+        self.timeout_s = timeout_s
+        self.emb = torch.zeros(producers, slots, max_tokens, dim, dtype=dtype).share_memory_()
+        self.grad = torch.zeros_like(self.emb).share_memory_()
+        # per slot: sample_id, step, n_tokens, state
+        self.meta = torch.zeros(producers, slots, 4, dtype=torch.int64).share_memory_()
+        self.free = [ctx.Queue() for _ in range(producers)]
+        self.ready = [ctx.Queue() for _ in range(consumers)]
+        self.grads = [ctx.Queue() for _ in range(producers)]
+        self.acks = [ctx.Queue() for _ in range(producers)]
+        self.closed = ctx.Event()
+        for p in range(producers):
+            for s in range(slots):
+                self.free[p].put(s)
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def producer(self, p: int, tracer=None) -> _ShmProducer:
+        return _ShmProducer(self, p, tracer)
+
+    def consumer(self, c: int, tracer=None) -> _ShmConsumer:
+        return _ShmConsumer(self, c, tracer)
+
+    def states(self) -> torch.Tensor:
+        return self.meta[..., 3].clone()
+
+    def _get(self, q, what: str):
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.closed.is_set():
+                raise PoolClosed(f"pool closed while waiting for {what}")
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"pool: waited {self.timeout_s}s for {what}; raise run.timeout_s if the "
+                        "peer is just slow"
+                    ) from None
+
+    def _move(self, p: int, s: int, old: int, new: int) -> None:
+        assert int(self.meta[p, s, 3]) == old, (p, s, int(self.meta[p, s, 3]), old, new)
+        self.meta[p, s, 3] = new
+
+
+class _ShmProducer:
+    def __init__(self, pool: ShmPool, p: int, tracer) -> None:
+        self.pool, self.p, self.tr = pool, p, tracer
+
+    def put(self, sample_id: int, step: int, dest: int, emb_ND: torch.Tensor) -> None:
+        """Write one sample's embeddings and publish it to consumer `dest` (blocks when full)."""
+        pool, p = self.pool, self.p
+        t0 = time.perf_counter()
+        try:
+            s = pool.free[p].get_nowait()
+        except queue.Empty:
+            s = pool._get(pool.free[p], f"a free slot of producer {p} (pool full)")
+        t1 = time.perf_counter()
+        if self.tr:
+            self.tr.add("backpressure", t0, t1, step)
+        n = emb_ND.shape[0]
+        pool._move(p, s, FREE, WRITING)
+        pool.emb[p, s, :n].copy_(emb_ND)
+        pool.meta[p, s, :3] = torch.tensor([sample_id, step, n])
+        pool._move(p, s, WRITING, READY)
+        gva = encode_gva(p, s * pool.T * pool.D * pool.emb.element_size())
+        pool.ready[dest].put((sample_id, step, n, gva))
+        if self.tr:
+            self.tr.add("copy", t1, time.perf_counter(), step)
+            self.tr.occupancy.append((time.perf_counter(), pool.S - pool.free[p].qsize()))
+
+    def _read_grad(self, item) -> tuple[int, torch.Tensor]:
+        s, sample_id = item
+        pool, p = self.pool, self.p
+        n = int(pool.meta[p, s, 2])
+        g = pool.grad[p, s, :n].clone()
+        pool._move(p, s, GRAD_READY, FREE)
+        pool.free[p].put(s)
+        return sample_id, g
+
+    def poll_grad(self) -> tuple[int, torch.Tensor] | None:
+        try:
+            item = self.pool.grads[self.p].get_nowait()
+        except queue.Empty:
+            return None
+        return self._read_grad(item)
+
+    def wait_grad(self) -> tuple[int, torch.Tensor]:
+        return self._read_grad(self.pool._get(self.pool.grads[self.p], "a returning gradient"))
+
+    def flush(self) -> None:
+        """Nothing in flight: shared-memory writes are complete when `put` returns."""
+
+    def wait_ack(self, step: int) -> None:
+        """Batch-synchronized handoff: wait until every consumer has received batch `step`."""
+        for _ in range(self.pool.C):
+            got = self.pool._get(self.pool.acks[self.p], f"handoff ack of batch {step}")
+            assert got == step, (got, step)
+
+
+class _ShmConsumer:
+    def __init__(self, pool: ShmPool, c: int, tracer) -> None:
+        self.pool, self.c, self.tr = pool, c, tracer
+        self.held: dict[int, tuple[int, int, int, int]] = {}  # sample_id -> (p, s, step, n)
+        self.delivered: list[int] = []
+
+    def _receive(self, what: str) -> None:
+        sample_id, step, n, gva = self.pool._get(self.pool.ready[self.c], what)
+        p, off = decode_gva(gva)
+        s = off // (self.pool.T * self.pool.D * self.pool.emb.element_size())
+        assert sample_id not in self.held, f"sample {sample_id} delivered twice"
+        self.pool._move(p, s, READY, LEASED)
+        self.held[sample_id] = (p, s, step, n)
+        self.delivered.append(sample_id)
+
+    def take(self, sample_id: int, step: int = -1, wait_kind: str = "starvation") -> torch.Tensor:
+        """A copy of a sample's embeddings [N, Dv]; blocks (starvation) until it is READY."""
+        t0 = time.perf_counter()
+        while sample_id not in self.held:
+            self._receive(f"sample {sample_id} (pool empty)")
+        t1 = time.perf_counter()
+        p, s, _, n = self.held[sample_id]
+        out = self.pool.emb[p, s, :n].clone()
+        if self.tr:
+            self.tr.add(wait_kind, t0, t1, step)
+            self.tr.add("copy", t1, time.perf_counter(), step)
+        return out
+
+    def release(self, sample_id: int) -> None:
+        p, s, _, _ = self.held.pop(sample_id)
+        self.pool._move(p, s, LEASED, FREE)
+        self.pool.free[p].put(s)
+
+    def give_grad(self, sample_id: int, grad_ND: torch.Tensor) -> None:
+        p, s, _, n = self.held.pop(sample_id)
+        self.pool.grad[p, s, :n].copy_(grad_ND)
+        self.pool._move(p, s, LEASED, GRAD_READY)
+        self.pool.grads[p].put((s, sample_id))
+
+    def ack(self, step: int) -> None:
+        for p in range(self.pool.P):
+            self.pool.acks[p].put(step)
+
+    def flush(self) -> None:
+        """Nothing in flight: gradients are in the shared slab when `give_grad` returns."""
+
+
+class DistPool:
+    """torch.distributed point-to-point pool; build one per process after init_process_group.
+
+    Producers are ranks 0..P-1 and consumers ranks P..P+C-1. Each (producer, consumer) pair is an
+    ordered stream: the producer sends in the plan's consume order, so the consumer knows which
+    sample comes next from whom, and checks it against the header (exactly once, in order).
+    Tags: 0 header [sample_id, step, n, gva], 1 payload, 2 gradient, 3 handoff ack.
+    """
+
+    def __init__(
+        self,
+        *,
+        producers: int,
+        consumers: int,
+        slots: int,
+        max_tokens: int,
+        dim: int,
+        dtype: torch.dtype,
+        timeout_s: float,
+        train_encoder: bool,
+    ) -> None:
+        self.P, self.C, self.S, self.T, self.D = producers, consumers, slots, max_tokens, dim
+        self.dtype, self.train = dtype, train_encoder
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def producer(self, p: int, tracer=None) -> _DistProducer:
+        return _DistProducer(self, p, tracer)
+
+    def consumer(self, c: int, owner_of, tracer=None) -> _DistConsumer:
+        """`owner_of(sample_id) -> producer index` tells the consumer whose stream to read."""
+        return _DistConsumer(self, c, owner_of, tracer)
+
+
+class _DistProducer:
+    def __init__(self, pool: DistPool, p: int, tracer) -> None:
+        self.pool, self.p, self.tr = pool, p, tracer
+        self.slab = torch.zeros(pool.S, pool.T, pool.D, dtype=pool.dtype)
+        self.gslab = torch.zeros_like(self.slab)
+        self.free = list(range(pool.S))
+        # FIFO of (slot, sample_id, works, n, header); the header must outlive its isend
+        self.pending: list[tuple[int, int, list, int, torch.Tensor]] = []
+
+    def _retire_oldest(self) -> tuple[int, torch.Tensor | None]:
+        s, sample_id, works, n, _ = self.pending.pop(0)
+        for w in works:
+            w.wait(self.pool.timeout)
+        self.free.append(s)
+        return sample_id, (self.gslab[s, :n].clone() if self.pool.train else None)
+
+    def put(self, sample_id: int, step: int, dest: int, emb_ND: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        if not self.free:
+            if self.pool.train:  # a slot is only free once its gradient came back
+                raise AssertionError("trainable DistPool: call wait_grad before put when full")
+            self._retire_oldest()
+        t1 = time.perf_counter()
+        s = self.free.pop(0)
+        n = emb_ND.shape[0]
+        self.slab[s, :n].copy_(emb_ND)
+        gva = encode_gva(self.p, s * self.pool.T * self.pool.D * self.slab.element_size())
+        dst = self.pool.P + dest
+        head = torch.tensor([sample_id, step, n, gva], dtype=torch.int64)
+        works = [dist.isend(head, dst, tag=0), dist.isend(self.slab[s, :n], dst, tag=1)]
+        if self.pool.train:
+            works.append(dist.irecv(self.gslab[s, :n], dst, tag=2))
+        self.pending.append((s, sample_id, works, n, head))
+        if self.tr:
+            self.tr.add("backpressure", t0, t1, step)
+            self.tr.add("copy", t1, time.perf_counter(), step)
+            self.tr.occupancy.append((time.perf_counter(), len(self.pending)))
+
+    def flush(self) -> None:
+        while self.pending:
+            self._retire_oldest()
+
+    def poll_grad(self) -> tuple[int, torch.Tensor] | None:
+        if self.pending and all(w.is_completed() for w in self.pending[0][2]):
+            return self._retire_oldest()
+        return None
+
+    def wait_grad(self) -> tuple[int, torch.Tensor]:
+        return self._retire_oldest()
+
+    def wait_ack(self, step: int) -> None:
+        import torch.distributed as dist
+
+        for c in range(self.pool.C):
+            t = torch.zeros(1, dtype=torch.int64)
+            dist.irecv(t, self.pool.P + c, tag=3).wait(self.pool.timeout)
+            assert int(t) == step, (int(t), step)
+
+
+class _DistConsumer:
+    def __init__(self, pool: DistPool, c: int, owner_of, tracer) -> None:
+        self.pool, self.c, self.owner_of, self.tr = pool, c, owner_of, tracer
+        self.held: dict[int, torch.Tensor] = {}
+        self.delivered: list[int] = []
+        self.sends: list = []
+
+    def _receive_from(self, p: int) -> None:
+        import torch.distributed as dist
+
+        head = torch.zeros(4, dtype=torch.int64)
+        dist.irecv(head, p, tag=0).wait(self.pool.timeout)
+        sample_id, _, n, _ = (int(x) for x in head)
+        buf = torch.empty(n, self.pool.D, dtype=self.pool.dtype)
+        dist.irecv(buf, p, tag=1).wait(self.pool.timeout)
+        assert sample_id not in self.held, f"sample {sample_id} delivered twice"
+        self.held[sample_id] = buf
+        self.delivered.append(sample_id)
+
+    def take(self, sample_id: int, step: int = -1, wait_kind: str = "starvation") -> torch.Tensor:
+        t0 = time.perf_counter()
+        while sample_id not in self.held:
+            self._receive_from(self.owner_of(sample_id))
+        if self.tr:
+            self.tr.add(wait_kind, t0, time.perf_counter(), step)
+        return self.held[sample_id]
+
+    def release(self, sample_id: int) -> None:
+        del self.held[sample_id]
+
+    def give_grad(self, sample_id: int, grad_ND: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        del self.held[sample_id]
+        g = grad_ND.contiguous()
+        self.sends.append((dist.isend(g, self.owner_of(sample_id), tag=2), g))
+
+    def flush(self) -> None:
+        for w, _ in self.sends:
+            w.wait(self.pool.timeout)
+        self.sends.clear()
+
+    def ack(self, step: int) -> None:
+        import torch.distributed as dist
+
+        t = torch.tensor([step], dtype=torch.int64)
+        for p in range(self.pool.P):
+            dist.isend(t, p, tag=3).wait(self.pool.timeout)

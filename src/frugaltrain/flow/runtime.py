@@ -1,0 +1,401 @@
+"""The three execution modes over one data stream, one packing plan and one set of weights.
+
+- monolithic: one process (run.mono_threads threads) does, per global batch, encoder forward of
+  every sample, the packed backbone micro-batches, encoder backward (trainable), both steps.
+- sync (batch-synchronized disaggregated, DistTrain-like): P encoder and C backbone processes.
+  The encoder hands a whole global batch over; the backbone starts only when all of it arrived,
+  and the encoder starts the next batch only after every backbone rank acknowledged the handoff.
+- flow (FlowTrain-like): same processes, but samples stream through the pool one by one in the
+  plan's consume order and the encoder runs ahead, bounded only by the pool's slots.
+
+Encoder semantics. Frozen: embeddings are a pure function of the image, so any run-ahead is exact.
+Trainable, staleness 0 (exact): the consumer writes dL/demb back through the pool; the producer
+back-propagates in the plan's order and steps on batch k before it encodes batch k+1.
+Trainable, staleness s >= 1 (opt-in): the producer encodes up to s batches ahead on older weights
+and recomputes forward with its current weights for backward. This changes the optimization.
+
+Both modules use AdamW; the loss is the caption cross-entropy summed over a global batch divided
+by its target count, so packing, dispatch and data parallelism never change the result.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from frugaltrain.flow.config import FlowConfig
+from frugaltrain.flow.data import DigitCaptions, patches
+from frugaltrain.flow.models import build_models
+from frugaltrain.flow.packing import BatchPlan, plan_batch
+from frugaltrain.flow.pool import DistPool, ShmPool
+from frugaltrain.flow.trace import Tracer
+
+
+class FlowWorkerError(RuntimeError):
+    """A worker process failed; the message carries its role and traceback."""
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    enc_state: dict[str, torch.Tensor]
+    cons_state: dict[str, torch.Tensor]
+    traces: list[dict]
+    delivered: dict[int, list[int]] = field(default_factory=dict)
+    """consumer index -> sample ids in the order the pool delivered them (exactly-once check)."""
+
+
+def make_plans(cfg: FlowConfig, ds: DigitCaptions, cost=None) -> list[BatchPlan]:
+    """The schedule of every global batch; identical for all modes (lengths are known upfront:
+    fixed patching makes visual token counts a function of the tile count)."""
+    s = cfg.sched
+    return [
+        plan_batch(
+            k,
+            {x.sample_id: x.length for x in ds.batch(k)},
+            L=s.capacity,
+            ranks=cfg.run.consumers,
+            policy=s.policy,
+            how=s.dispatch,
+            cost=cost,
+        )
+        for k in range(cfg.run.steps)
+    ]
+
+
+def _opt(module: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0, foreach=False)
+
+
+def _texts(ds: DigitCaptions, ids: list[int]) -> list[torch.Tensor]:
+    return [torch.tensor(ds.sample(i).tokens) for i in ids]
+
+
+def _all_reduce_grads(module: nn.Module, group) -> None:
+    import torch.distributed as dist
+
+    params = list(module.parameters())
+    for p in params:
+        if p.grad is None:  # a rank with no micro-batch still joins the sum
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    i = 0
+    for p in params:
+        p.grad.copy_(flat[i : i + p.numel()].view_as(p))
+        i += p.numel()
+
+
+# ------------------------------------------------------------------- monolithic
+
+
+def run_monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
+    """Lockstep reference in this process (run.mono_threads threads)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(cfg.run.mono_threads)
+    try:
+        return _monolithic(cfg, plans)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
+    ds, dtype, train = (
+        DigitCaptions.from_config(cfg),
+        getattr(torch, cfg.run.dtype),
+        cfg.run.train_encoder,
+    )
+    enc, cons = build_models(cfg)
+    enc_opt, cons_opt = _opt(enc, cfg.run.lr), _opt(cons, cfg.run.lr)
+    tr, losses = Tracer("mono"), []
+    for k, plan in enumerate(plans):
+        order = [sid for sid, _ in plan.consume_order()]
+        outs, embs = {}, {}
+        with tr.span("compute", k), torch.set_grad_enabled(train):
+            for sid in order:
+                outs[sid] = enc(patches(ds.sample(sid), cfg.data.patch, dtype))
+                embs[sid] = outs[sid].detach().requires_grad_(train)
+        denom, total = ds.target_tokens(k), 0.0
+        for bins in plan.rank_bins:
+            for b in bins:
+                with tr.span("compute", k):
+                    loss = cons.loss_sum([embs[s] for s in b], _texts(ds, b)) / denom
+                    loss.backward()
+                total += loss.item()
+        if train:  # encoder backward per sample, in each producer's consume order (as in flow)
+            with tr.span("compute", k):
+                for p in range(cfg.run.producers):
+                    for i, sid in enumerate(order):
+                        if i % cfg.run.producers == p:
+                            outs[sid].backward(embs[sid].grad)
+        with tr.span("optim", k):
+            cons_opt.step()
+            cons_opt.zero_grad(set_to_none=True)
+            if train:
+                enc_opt.step()
+                enc_opt.zero_grad(set_to_none=True)
+        tr.step_end[k] = time.perf_counter()
+        losses.append(total)
+    return RunResult(losses, _state(enc), _state(cons), [tr.to_dict()])
+
+
+def _state(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+# ------------------------------------------------------------------- producer
+
+
+def _producer(cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: Tracer) -> dict:
+    ds, dtype = DigitCaptions.from_config(cfg), getattr(torch, cfg.run.dtype)
+    P, S, s_max = cfg.run.producers, cfg.pool.slots, cfg.run.staleness
+    train, sync = cfg.run.train_encoder, cfg.run.mode == "sync"
+    enc, _ = build_models(cfg)
+    enc.requires_grad_(train)
+    opt = _opt(enc, cfg.run.lr)
+    stash: dict[int, torch.Tensor] = {}  # sample_id -> encoder output (s = 0) or input (s >= 1)
+    expected: deque[tuple[int, int]] = deque()  # (step, sample_id) in backward order
+    arrived: dict[int, torch.Tensor] = {}
+    outstanding, version = 0, 0
+
+    def backward_ready() -> None:
+        while expected and expected[0][1] in arrived:
+            k, sid = expected.popleft()
+            with tr.span("compute", k):
+                if s_max == 0:
+                    stash.pop(sid).backward(arrived.pop(sid))
+                else:  # stale: recompute with the current weights (changes the optimization)
+                    enc(stash.pop(sid)).backward(arrived.pop(sid))
+
+    def take_grad(block: bool, step: int) -> bool:
+        nonlocal outstanding
+        t0 = time.perf_counter()
+        got = end.wait_grad() if block else end.poll_grad()
+        if block:
+            tr.add("barrier" if step >= 0 else "backpressure", t0, time.perf_counter(), step)
+        if got is None:
+            return False
+        arrived[got[0]] = got[1]
+        outstanding -= 1
+        backward_ready()
+        return True
+
+    def finish(k: int) -> None:
+        nonlocal version
+        while any(step == k for step, _ in expected):
+            take_grad(True, k)
+        with tr.span("optim", k):
+            if P > 1:
+                _all_reduce_grads(enc, group)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        version += 1
+        tr.step_end[k] = time.perf_counter()
+
+    for k, plan in enumerate(plans):
+        if train:
+            while version < k - s_max:  # version barrier: staleness 0 steps on k-1 first
+                finish(version)
+        mine = [(sid, r) for i, (sid, r) in enumerate(plan.consume_order()) if i % P == p]
+        for sid, dest in mine:
+            x = patches(ds.sample(sid), cfg.data.patch, dtype)
+            with tr.span("compute", k), torch.set_grad_enabled(train and s_max == 0):
+                emb = enc(x)
+            if train:
+                stash[sid] = emb if s_max == 0 else x
+                expected.append((k, sid))
+                while outstanding >= S:  # slots are held until their gradient returns
+                    take_grad(True, -1)
+                outstanding += 1
+            end.put(sid, k, dest, emb.detach())
+            if train:
+                while take_grad(False, k):
+                    pass
+        if sync:
+            with tr.span("barrier", k):
+                end.wait_ack(k)
+        if not train:
+            tr.step_end[k] = time.perf_counter()
+    while train and version < len(plans):
+        finish(version)
+    end.flush()
+    return {"enc_state": _state(enc)}
+
+
+# ------------------------------------------------------------------- consumer
+
+
+def _consumer(cfg: FlowConfig, plans: list[BatchPlan], end, c: int, group, tr: Tracer) -> dict:
+    import torch.distributed as dist
+
+    ds, train = DigitCaptions.from_config(cfg), cfg.run.train_encoder
+    _, cons = build_models(cfg)
+    opt = _opt(cons, cfg.run.lr)
+    losses = []
+    for k, plan in enumerate(plans):
+        bins = plan.rank_bins[c]
+        if cfg.run.mode == "sync":  # the whole global batch must arrive before compute starts
+            for b in bins:
+                for sid in b:
+                    end.take(sid, k, wait_kind="barrier")
+            end.ack(k)
+        denom, total = ds.target_tokens(k), 0.0
+        for b in bins:
+            embs = [end.take(sid, k).requires_grad_(train) for sid in b]
+            with tr.span("compute", k):
+                loss = cons.loss_sum(embs, _texts(ds, b)) / denom
+                loss.backward()
+            total += loss.item()
+            with tr.span("copy", k):
+                for sid, e in zip(b, embs, strict=True):
+                    end.give_grad(sid, e.grad) if train else end.release(sid)
+        with tr.span("optim", k):
+            if cfg.run.consumers > 1:
+                _all_reduce_grads(cons, group)
+                t = torch.tensor([total], dtype=torch.float64)
+                dist.all_reduce(t, group=group)
+                total = float(t)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        end.flush()
+        tr.step_end[k] = time.perf_counter()
+        losses.append(total)
+    return {"cons_state": _state(cons), "losses": losses, "delivered": list(end.delivered)}
+
+
+# ------------------------------------------------------------------- processes
+
+
+def _worker(rank: int, cfg: FlowConfig, plans: list[BatchPlan], port: int, pool, result_q) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg.run.threads)
+    P, C = cfg.run.producers, cfg.run.consumers
+    role = f"producer{rank}" if rank < P else f"consumer{rank - P}"
+    tr = Tracer(role)
+    try:
+        timeout = timedelta(seconds=cfg.run.timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=P + C, timeout=timeout)
+        groups = [dist.new_group(list(range(P))), dist.new_group(list(range(P, P + C)))]
+        if pool is None:
+            pool = _dist_pool(cfg)
+        if rank < P:
+            out = _producer(cfg, plans, pool.producer(rank, tr), rank, groups[0], tr)
+        else:
+            owner = {sid: i % P for pl in plans for i, (sid, _) in enumerate(pl.consume_order())}
+            end = (
+                pool.consumer(rank - P, tr)
+                if isinstance(pool, ShmPool)
+                else pool.consumer(rank - P, owner.__getitem__, tr)
+            )
+            out = _consumer(cfg, plans, end, rank - P, groups[1], tr)
+        out = {
+            k: ({n: t.numpy() for n, t in v.items()} if k.endswith("_state") else v)
+            for k, v in out.items()
+        }  # numpy pickles by value; no shared fds outlive us
+        result_q.put(("ok", rank, {"trace": tr.to_dict(), **out}))
+        dist.barrier(group=None)  # nobody tears down the group while a peer still sends
+        dist.destroy_process_group()
+    except BaseException:
+        if isinstance(pool, ShmPool):
+            pool.close()  # unblock peers waiting on the pool
+        result_q.put(("error", rank, f"{role}: {traceback.format_exc()}"))
+
+
+def _dist_pool(cfg: FlowConfig) -> DistPool:
+    return DistPool(
+        producers=cfg.run.producers,
+        consumers=cfg.run.consumers,
+        slots=cfg.pool.slots,
+        max_tokens=cfg.slot_tokens,
+        dim=cfg.model.enc_dim,
+        dtype=getattr(torch, cfg.run.dtype),
+        timeout_s=cfg.run.timeout_s,
+        train_encoder=cfg.run.train_encoder,
+    )
+
+
+def run(cfg: FlowConfig, plans: list[BatchPlan] | None = None) -> RunResult:
+    """Run `cfg.run.mode`; sync and flow spawn P + C worker processes (gloo, store on port 0)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    plans = plans if plans is not None else make_plans(cfg, DigitCaptions.from_config(cfg))
+    if cfg.run.mode == "monolithic":
+        return run_monolithic(cfg, plans)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local-only launcher: stay on loopback
+    P, C = cfg.run.producers, cfg.run.consumers
+    ctx = mp.get_context("spawn")
+    timeout = timedelta(seconds=cfg.run.timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    pool = None
+    if cfg.run.backend == "shm":
+        pool = ShmPool(
+            producers=P,
+            consumers=C,
+            slots=cfg.pool.slots,
+            max_tokens=cfg.slot_tokens,
+            dim=cfg.model.enc_dim,
+            dtype=getattr(torch, cfg.run.dtype),
+            timeout_s=cfg.run.timeout_s,
+            ctx=ctx,
+        )
+    result_q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, cfg, plans, store.port, pool, result_q))
+        for r in range(P + C)
+    ]
+    for pr in procs:
+        pr.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + cfg.run.timeout_s * 2 + 60
+    try:
+        while len(results) < P + C:
+            try:
+                status, rank, payload = result_q.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+                if dead and not any(r in results for r in dead):
+                    raise FlowWorkerError(
+                        f"worker(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("flow run: workers did not finish in time") from None
+                continue
+            if status == "error":
+                raise FlowWorkerError(payload)
+            results[rank] = payload
+        for pr in procs:
+            pr.join(timeout=cfg.run.timeout_s)
+    finally:
+        if pool is not None:
+            pool.close()
+        for pr in procs:  # only the processes this call started, by handle
+            if pr.is_alive():
+                pr.terminate()
+                pr.join(5)
+    if pool is not None:
+        leaked = int((pool.states() != 0).sum())
+        assert leaked == 0, f"{leaked} pool slots not FREE at shutdown"
+    enc_state = _tensors(results[0]["enc_state"])
+    cons_state = _tensors(results[P]["cons_state"])
+    return RunResult(
+        results[P]["losses"],
+        enc_state,
+        cons_state,
+        [results[r]["trace"] for r in range(P + C)],
+        {c: results[P + c]["delivered"] for c in range(C)},
+    )
+
+
+def _tensors(d: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in d.items()}
