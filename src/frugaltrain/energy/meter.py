@@ -134,7 +134,7 @@ class CpuTimeEstimateMeter(_Window):
             label,
             seconds,
             domains={"host-estimate": cpu_s * self.watts_per_core},
-            notes=f"cpu_seconds={cpu_s:.3f}",
+            notes=f"cpu_seconds={cpu_s:.6f}",
         )
 
 
@@ -415,6 +415,11 @@ class NvmlMeter(_Window):
         if not self.available:
             return EnergyReading(None, f"{UNAVAILABLE}: {self.reason}", self._elapsed())
         self._sync()
+        if self._thread is not None:
+            self._stop_evt.set()
+            self._thread.join()
+            self._thread = None
+            self._sample_power()
         seconds = self._elapsed()
         domains: dict[str, float] = {}
         for uuid, h in self.handles.items():
@@ -428,20 +433,15 @@ class NvmlMeter(_Window):
                         seconds,
                     )
                 domains[f"gpu:{uuid}"] = delta_mj * 1e-3
-        if self._thread is not None:
-            self._stop_evt.set()
-            self._thread.join()
-            self._thread = None
-            self._sample_power()
-            for uuid, samples in self._samples.items():
-                if len(samples) < 2:
-                    return EnergyReading(
-                        None, f"{UNAVAILABLE}: too few NVML power samples for {uuid}", seconds
-                    )
-                ts, ps = zip(*samples, strict=True)
-                domains[f"gpu:{uuid}"] = sum(
-                    0.5 * (ps[i] + ps[i - 1]) * (ts[i] - ts[i - 1]) for i in range(1, len(ts))
+        for uuid, samples in self._samples.items():
+            if len(samples) < 2:
+                return EnergyReading(
+                    None, f"{UNAVAILABLE}: too few NVML power samples for {uuid}", seconds
                 )
+            ts, ps = zip(*samples, strict=True)
+            domains[f"gpu:{uuid}"] = sum(
+                0.5 * (ps[i] + ps[i - 1]) * (ts[i] - ts[i - 1]) for i in range(1, len(ts))
+            )
         integrated = any(not c for c in self.counter.values())
         label = f"{MEASURED} (NVML{' power integrated' if integrated else ''})"
         notes = "window < 1 s: counter granularity ~10-100 ms" if seconds < 1.0 else ""
