@@ -291,23 +291,44 @@ class EnergyPredictor:
     q_pre: float = math.inf
     q_post: float = math.inf
     alpha: float = 0.05
+    calibration: str = "none"
+    train_range: dict = field(default_factory=dict)
 
-    def fit(self, records: list[dict], calib_frac: float = 0.25, seed: int = 0) -> EnergyPredictor:
-        """Fit on a group-disjoint proper-training part, calibrate the conformal radius on the
-        rest, then refit the point models on everything (the radius keeps its calibration)."""
+    def fit(self, records: list[dict]) -> EnergyPredictor:
+        """Fit the time and energy models on the measured records (point predictions only)."""
         records = measured_only(records)
-        groups = [r["group"] for r in records]
-        if len(set(groups)) >= 4:
-            tr, cal = next(group_splits(groups, 1, calib_frac, seed))
-            proper = [records[i] for i in tr]
-            calib = [records[i] for i in cal]
-            self.time, self.energy = StepTimeModel().fit(proper), EnergyRoofline().fit(proper)
-            e = _col(calib, "energy_j")
-            for mode in ("pre", "post"):
-                resid = np.abs(np.log(self.predict_energy(calib, mode) / e))
-                setattr(self, f"q_{mode}", conformal_quantile(resid, self.alpha))
         self.time, self.energy = StepTimeModel().fit(records), EnergyRoofline().fit(records)
+        lnF = np.log(_col(records, "F") / _col(records, "steps"))
+        self.train_range = {"ln_flops_per_step": [float(lnF.min()), float(lnF.max())]}
         return self
+
+    def calibrate(self, records: list[dict], method: str = "cv", k: int = 5) -> EnergyPredictor:
+        """Set the conformal radii q_pre, q_post from held-out |ln residuals|.
+
+        method 'cv': residuals of a group k-fold cross-fit over all records (every family is
+        calibration data once; tighter and steadier than one split when families are few).
+        method 'split': one group-disjoint 75/25 split, textbook split-conformal.
+        The point models are then refitted on all records; the radii keep their calibration.
+        """
+        records = measured_only(records)
+        e = _col(records, "energy_j")
+        for mode in ("pre", "post"):
+
+            def fp(tr, te, mode=mode):
+                return EnergyPredictor().fit(tr).predict_energy(te, mode)
+
+            if method == "cv":
+                resid = np.abs(np.log(cross_fit(records, fp, k) / e))
+            elif method == "split":
+                tr, cal = next(group_splits([r["group"] for r in records], 1, 0.25, 0))
+                resid = np.abs(
+                    np.log(fp([records[i] for i in tr], [records[i] for i in cal]) / e[cal])
+                )
+            else:
+                raise ValueError(f"method = {method!r}: use 'cv' or 'split'")
+            setattr(self, f"q_{mode}", conformal_quantile(resid, self.alpha))
+        self.calibration = method
+        return self.fit(records)
 
     def predict_energy(self, records: list[dict], mode: str = "pre") -> np.ndarray:
         if mode == "post":
@@ -327,7 +348,9 @@ class EnergyPredictor:
                      "coef": self.time.coef, "se": self.time.se},
             "energy": {"by": list(self.energy.by), "coef": self.energy.coef,
                        "se": self.energy.se, "named": self.energy.named()},
-            "conformal": {"alpha": self.alpha, "q_pre": self.q_pre, "q_post": self.q_post},
+            "conformal": {"alpha": self.alpha, "q_pre": self.q_pre, "q_post": self.q_post,
+                          "method": self.calibration},
+            "train_range": self.train_range,
         }  # fmt: skip
 
     @classmethod
@@ -341,6 +364,8 @@ class EnergyPredictor:
             q_pre=c["q_pre"],
             q_post=c["q_post"],
             alpha=c["alpha"],
+            calibration=c.get("method", "none"),
+            train_range=d.get("train_range", {}),
         )
 
 
@@ -372,33 +397,62 @@ def evaluate(
     return out
 
 
+def cross_fit(
+    records: list[dict],
+    fit_predict: Callable[[list[dict], list[dict]], np.ndarray],
+    k: int = 5,
+    seed: int = 2026,
+) -> np.ndarray:
+    """Out-of-fold predictions from a group k-fold: each record predicted by a model that never
+    saw its configuration family (for predicted-vs-measured plots)."""
+    groups = np.asarray([r["group"] for r in records])
+    uniq = np.random.default_rng(seed).permutation(np.unique(groups))
+    out = np.full(len(records), np.nan)
+    for fold in range(min(k, len(uniq))):
+        test = np.isin(groups, uniq[fold::k])
+        tr, te = np.flatnonzero(~test), np.flatnonzero(test)
+        out[te] = fit_predict([records[i] for i in tr], [records[i] for i in te])
+    return out
+
+
 def conformal_coverage(
     records: list[dict],
     fit_predict: Callable[[list[dict], list[dict]], np.ndarray],
     alpha: float = 0.05,
     n_repeats: int = 20,
     seed: int = 2026,
+    method: str = "split",
 ) -> dict[str, float]:
-    """Empirical coverage and multiplicative half-width of split-conformal intervals.
+    """Empirical coverage and multiplicative half-width of conformal intervals on held-out
+    families, over repeated group-disjoint 70/30 splits.
 
-    Each repeat: groups split 50/20/30 into proper-train / calibration / test.
+    method 'split': the 70% is split again 50/20 into proper-train / calibration families.
+    method 'cv': calibration residuals come from a group 5-fold cross-fit on the 70%, and the
+    model predicting the test families is fitted on the whole 70%.
     """
     groups = [r["group"] for r in records]
     cov, width = [], []
     for tr, te in group_splits(groups, n_repeats, 0.3, seed):
-        sub_groups = [groups[i] for i in tr]
-        p_idx, c_idx = next(group_splits(sub_groups, 1, 2 / 7, seed + 1))
-        proper = [records[tr[i]] for i in p_idx]
-        calib = [records[tr[i]] for i in c_idx]
+        train = [records[i] for i in tr]
         test = [records[i] for i in te]
-        both = fit_predict(proper, calib + test)
-        pc, pt = both[: len(calib)], both[len(calib) :]
+        if method == "split":
+            p_idx, c_idx = next(group_splits([r["group"] for r in train], 1, 2 / 7, seed + 1))
+            calib = [train[i] for i in c_idx]
+            both = fit_predict([train[i] for i in p_idx], calib + test)
+            pc, pt = both[: len(calib)], both[len(calib) :]
+        elif method == "cv":
+            calib = train
+            pc, pt = cross_fit(train, fit_predict, 5, seed + 1), fit_predict(train, test)
+        else:
+            raise ValueError(f"method = {method!r}: use 'split' or 'cv'")
         q = conformal_quantile(np.abs(np.log(pc / _col(calib, "energy_j"))), alpha)
         cov.append(float(np.mean(np.abs(np.log(pt / _col(test, "energy_j"))) <= q)))
         width.append(math.exp(q))
     return {
         "coverage": float(np.median(cov)),
+        "coverage_mean": float(np.mean(cov)),
         "coverage_iqr": [float(np.percentile(cov, 25)), float(np.percentile(cov, 75))],
         "half_width_factor": float(np.median(width)),
         "nominal": 1 - alpha,
+        "method": method,
     }

@@ -10,6 +10,7 @@ Canonical keys (units in the name where it has one):
     group                     cross-validation group (default arch|n_layer|n_embd: a configuration
                               family is never in both train and test)
     eta                       speedup-based parallel efficiency T1 / (N T_N), if known
+    comm_every                steps between synchronisations (1 for DDP, H for DiLoCo)
 
 The public single-GPU set (data/energy/transformer_energy_single_gpu.csv, columns duration,
 energy_joules, d_model, ...) is recognised and mapped; its energy is CodeCarbon GPU+CPU+RAM.
@@ -44,6 +45,7 @@ _DEFAULTS = {
     "hardware": "unknown",
     "arch": "gpt",
     "energy_label": "measured (unspecified)",
+    "comm_every": 1,
 }
 STRATEGIES = ("baseline", "ddp", "fsdp", "tp", "pp")
 
@@ -77,6 +79,7 @@ def normalize(rec: dict) -> dict:
         out[key] = int(float(out[key]))
     out["seconds"] = float(out["seconds"])
     out["steps"] = float(out["steps"])
+    out["comm_every"] = float(out["comm_every"])
     if out["energy_j"] is not None:
         out["energy_j"] = float(out["energy_j"])
     if out["strategy"] not in STRATEGIES:
@@ -148,7 +151,7 @@ def derive(rec: dict) -> dict:
         "Q_act": px.act_bytes * k,
         "Q_score": px.score_bytes * k,
         "Q_w": (px.hbm_bytes - px.act_bytes - px.score_bytes) * k,
-        "X": px.comm_bytes * k,
+        "X": px.comm_bytes * k / rec.get("comm_every", 1),
         "params": px.params,
         "tokens": tokens,
         "C": 20 * rec["n_layer"] * rec["n_embd"] ** 2 * tokens,
