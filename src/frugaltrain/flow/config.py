@@ -41,7 +41,10 @@ class FlowRun:
     dtype: str = "float32"
     """Parameter and activation dtype: float32 or float64 (tests use float64)."""
     lr: float = 1e-3
-    """AdamW learning rate for both modules."""
+    """Learning rate of both modules' optimizers."""
+    optimizer: str = "adamw"
+    """adamw or sgd. AdamW turns round-off-sized gradients (e.g. the key bias, whose true
+    gradient is 0) into lr-sized steps, so re-associated sums are compared under sgd."""
     train_encoder: bool = False
     """Trainable encoder: gradients of the embeddings flow back through the pool."""
     staleness: int = 0
@@ -84,8 +87,9 @@ class FlowModel:
 
 @dataclass(kw_only=True)
 class FlowPool:
-    slots: int = 8
-    """Slots per producer segment (samples). Bounds the producer's run-ahead."""
+    slots: int = 16
+    """Slots per producer segment (samples). Bounds the producer's run-ahead; sync mode needs a
+    whole global batch's share, flow only one wave of micro-batches (checked before a run)."""
     max_tokens: int = 0
     """Visual tokens per slot (0: the largest sample's, max_tiles * (8/patch)^2)."""
 
@@ -156,11 +160,12 @@ def _validate(c: FlowConfig) -> None:
     )
     _require(r.dtype in ("float32", "float64"), "run.dtype", r.dtype, "choose float32 or float64")
     _require(r.lr > 0, "run.lr", r.lr, "must be positive")
+    _require(r.optimizer in ("adamw", "sgd"), "run.optimizer", r.optimizer, "choose adamw or sgd")
     _require(r.staleness >= 0, "run.staleness", r.staleness, "must be >= 0")
     _require(r.timeout_s > 0, "run.timeout_s", r.timeout_s, "must be positive")
     _require(d.global_batch >= 1, "data.global_batch", d.global_batch, "must be at least 1")
     _require(d.patch in (1, 2, 4, 8), "data.patch", d.patch, "choose 1, 2, 4 or 8 (divides 8)")
-    _require(d.max_tiles >= 1, "data.max_tiles", d.max_tiles, "must be at least 1")
+    _require(1 <= d.max_tiles <= 8, "data.max_tiles", d.max_tiles, "must be in 1..8")
     _require(
         len(d.tile_weights) == d.max_tiles,
         "data.tile_weights",

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from frugaltrain.config import ConfigError
 from frugaltrain.flow.config import FlowConfig
 from frugaltrain.flow.data import DigitCaptions, patches
 from frugaltrain.flow.models import build_models
@@ -71,8 +72,25 @@ def make_plans(cfg: FlowConfig, ds: DigitCaptions, cost=None) -> list[BatchPlan]
     ]
 
 
-def _opt(module: nn.Module, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0, foreach=False)
+def min_slots(plans: list[BatchPlan], producers: int, mode: str) -> int:
+    """Slots per producer that rule out a pool deadlock: a consumer holds every sample of the
+    micro-batch it is assembling, so each producer's share of a wave (micro-batch j of every rank)
+    must fit; sync mode holds a whole global batch."""
+    need = 1
+    for pl in plans:
+        if mode == "sync":
+            need = max(need, -(-len(pl.consume_order()) // producers))
+            continue
+        for j in range(max(len(b) for b in pl.rank_bins)):
+            wave = sum(len(b[j]) for b in pl.rank_bins if j < len(b))
+            need = max(need, -(-wave // producers))
+    return need
+
+
+def _opt(module: nn.Module, cfg: FlowConfig) -> torch.optim.Optimizer:
+    if cfg.run.optimizer == "sgd":
+        return torch.optim.SGD(module.parameters(), lr=cfg.run.lr)
+    return torch.optim.AdamW(module.parameters(), lr=cfg.run.lr, weight_decay=0.0, foreach=False)
 
 
 def _texts(ds: DigitCaptions, ids: list[int]) -> list[torch.Tensor]:
@@ -114,7 +132,7 @@ def _monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
         cfg.run.train_encoder,
     )
     enc, cons = build_models(cfg)
-    enc_opt, cons_opt = _opt(enc, cfg.run.lr), _opt(cons, cfg.run.lr)
+    enc_opt, cons_opt = _opt(enc, cfg), _opt(cons, cfg)
     tr, losses = Tracer("mono"), []
     for k, plan in enumerate(plans):
         order = [sid for sid, _ in plan.consume_order()]
@@ -154,13 +172,15 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------- producer
 
 
-def _producer(cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: Tracer) -> dict:
+def _producer(
+    cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: Tracer, fault=None
+) -> dict:
     ds, dtype = DigitCaptions.from_config(cfg), getattr(torch, cfg.run.dtype)
     P, S, s_max = cfg.run.producers, cfg.pool.slots, cfg.run.staleness
     train, sync = cfg.run.train_encoder, cfg.run.mode == "sync"
     enc, _ = build_models(cfg)
     enc.requires_grad_(train)
-    opt = _opt(enc, cfg.run.lr)
+    opt = _opt(enc, cfg)
     stash: dict[int, torch.Tensor] = {}  # sample_id -> encoder output (s = 0) or input (s >= 1)
     expected: deque[tuple[int, int]] = deque()  # (step, sample_id) in backward order
     arrived: dict[int, torch.Tensor] = {}
@@ -201,6 +221,7 @@ def _producer(cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: T
         tr.step_end[k] = time.perf_counter()
 
     for k, plan in enumerate(plans):
+        _inject(fault, tr.role, k)
         if train:
             while version < k - s_max:  # version barrier: staleness 0 steps on k-1 first
                 finish(version)
@@ -233,14 +254,17 @@ def _producer(cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: T
 # ------------------------------------------------------------------- consumer
 
 
-def _consumer(cfg: FlowConfig, plans: list[BatchPlan], end, c: int, group, tr: Tracer) -> dict:
+def _consumer(
+    cfg: FlowConfig, plans: list[BatchPlan], end, c: int, group, tr: Tracer, fault=None
+) -> dict:
     import torch.distributed as dist
 
     ds, train = DigitCaptions.from_config(cfg), cfg.run.train_encoder
     _, cons = build_models(cfg)
-    opt = _opt(cons, cfg.run.lr)
+    opt = _opt(cons, cfg)
     losses = []
     for k, plan in enumerate(plans):
+        _inject(fault, tr.role, k)
         bins = plan.rank_bins[c]
         if cfg.run.mode == "sync":  # the whole global batch must arrive before compute starts
             for b in bins:
@@ -274,7 +298,15 @@ def _consumer(cfg: FlowConfig, plans: list[BatchPlan], end, c: int, group, tr: T
 # ------------------------------------------------------------------- processes
 
 
-def _worker(rank: int, cfg: FlowConfig, plans: list[BatchPlan], port: int, pool, result_q) -> None:
+def _inject(fault: tuple[str, int] | None, role: str, step: int) -> None:
+    """Test hook: fail `role` (e.g. "producer0") at the start of `step`."""
+    if fault == (role, step):
+        raise RuntimeError(f"injected fault in {role} at step {step}")
+
+
+def _worker(
+    rank: int, cfg: FlowConfig, plans: list[BatchPlan], port: int, pool, result_q, fault
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(cfg.run.threads)
@@ -289,7 +321,7 @@ def _worker(rank: int, cfg: FlowConfig, plans: list[BatchPlan], port: int, pool,
         if pool is None:
             pool = _dist_pool(cfg)
         if rank < P:
-            out = _producer(cfg, plans, pool.producer(rank, tr), rank, groups[0], tr)
+            out = _producer(cfg, plans, pool.producer(rank, tr), rank, groups[0], tr, fault)
         else:
             owner = {sid: i % P for pl in plans for i, (sid, _) in enumerate(pl.consume_order())}
             end = (
@@ -297,7 +329,7 @@ def _worker(rank: int, cfg: FlowConfig, plans: list[BatchPlan], port: int, pool,
                 if isinstance(pool, ShmPool)
                 else pool.consumer(rank - P, owner.__getitem__, tr)
             )
-            out = _consumer(cfg, plans, end, rank - P, groups[1], tr)
+            out = _consumer(cfg, plans, end, rank - P, groups[1], tr, fault)
         out = {
             k: ({n: t.numpy() for n, t in v.items()} if k.endswith("_state") else v)
             for k, v in out.items()
@@ -324,14 +356,26 @@ def _dist_pool(cfg: FlowConfig) -> DistPool:
     )
 
 
-def run(cfg: FlowConfig, plans: list[BatchPlan] | None = None) -> RunResult:
-    """Run `cfg.run.mode`; sync and flow spawn P + C worker processes (gloo, store on port 0)."""
+def run(
+    cfg: FlowConfig, plans: list[BatchPlan] | None = None, fault: tuple[str, int] | None = None
+) -> RunResult:
+    """Run `cfg.run.mode`; sync and flow spawn P + C worker processes (gloo, store on port 0).
+
+    A failure in any worker raises `FlowWorkerError` here within the timeout, and every worker
+    this call started is gone when it returns. `fault=(role, step)` injects one (tests).
+    """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     plans = plans if plans is not None else make_plans(cfg, DigitCaptions.from_config(cfg))
     if cfg.run.mode == "monolithic":
         return run_monolithic(cfg, plans)
+    need = min_slots(plans, cfg.run.producers, cfg.run.mode)
+    if cfg.pool.slots < need:
+        raise ConfigError(
+            f"pool.slots = {cfg.pool.slots}: the plan needs at least {need} slots "
+            f"per producer in {cfg.run.mode} mode, or the pool deadlocks; raise it"
+        )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local-only launcher: stay on loopback
     P, C = cfg.run.producers, cfg.run.consumers
     ctx = mp.get_context("spawn")
@@ -351,7 +395,7 @@ def run(cfg: FlowConfig, plans: list[BatchPlan] | None = None) -> RunResult:
         )
     result_q = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, cfg, plans, store.port, pool, result_q))
+        ctx.Process(target=_worker, args=(r, cfg, plans, store.port, pool, result_q, fault))
         for r in range(P + C)
     ]
     for pr in procs:
