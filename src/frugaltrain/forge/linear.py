@@ -1,0 +1,87 @@
+"""The fused nn.Linear backward: input gradient with the old weight, then the update tile by tile.
+
+`install_linear(module, owner)` swaps one nn.Linear's forward for `_ForgeLinearFn`, whose backward
+    1. computes dX = dY @ W with the pre-update W (the chain rule needs the old weight),
+    2. hands (W, X, dY) to the owner (ForgeOptimizer), which forms dW one block of rows at a time
+       and applies the optimizer rule to that block at once,
+    3. returns None for the weight (which enters detached), so autograd never allocates W.grad.
+The bias gradient is returned normally and updated by the owner's post-accumulate-grad hook.
+
+The update writes W in place under no_grad, which bumps W's version counter: any other autograd
+node that saved W and runs later fails loudly ("modified by an inplace operation") instead of
+silently using the new weight.
+
+Shapes: BT tokens (all leading dims of the input flattened), H in_features, V out_features.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _LayerHandle:
+    """Per-layer bookkeeping shared by the forward and the backward of one fused Linear."""
+
+    def __init__(self, name: str, module: nn.Linear, owner) -> None:
+        self.name = name
+        self.module = module
+        self.owner = owner
+        self.pending = 0  # forwards since the last backward of this layer (reuse detection)
+
+
+class _ForgeLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, handle: _LayerHandle):
+        ctx.handle = handle
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        handle = ctx.handle
+        handle.pending = 0
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # old W, before any update
+        dy_BTV = dy.reshape(-1, dy.shape[-1])
+        db = dy_BTV.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        x_BTH = x.reshape(-1, x.shape[-1])
+        handle.owner._fused_linear_backward(handle, handle.module.weight, x_BTH, dy_BTV)
+        return dx, None, db, None
+
+
+def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    handle: _LayerHandle = self._forge_handle
+    if not (torch.is_grad_enabled() and self.weight.requires_grad):
+        return F.linear(x, self.weight, self.bias)
+    # A forward that runs inside a backward is an activation-checkpoint recompute, not a reuse.
+    if torch._C._current_graph_task_id() == -1:
+        if handle.pending:
+            raise ValueError(
+                f"FORGE: Linear '{handle.name}' ran forward twice before its backward (weight "
+                "reuse, e.g. a shared or recurrent layer). Its update is fused into one backward, "
+                f"so reuse would step it twice with partial gradients. Pass "
+                f"exclude=lambda n: n.startswith('{handle.name}') to keep it on the standard path."
+            )
+        handle.pending = 1
+    # The weight enters detached: autograd gets no edge to its AccumulateGrad, so W.grad is never
+    # formed. The detached tensor shares W's version counter, so the in-place update stays checked.
+    return _ForgeLinearFn.apply(x, self.weight.detach(), self.bias, handle)
+
+
+def install_linear(name: str, module: nn.Linear, owner) -> _LayerHandle:
+    """Route `module`'s forward through the fused Function; returns its handle."""
+    handle = _LayerHandle(name, module, owner)
+    module._forge_handle = handle
+    module.forward = types.MethodType(_forge_forward, module)
+    return handle
+
+
+def uninstall_linear(module: nn.Linear) -> None:
+    """Restore the class's own forward."""
+    module.__dict__.pop("forward", None)
+    module.__dict__.pop("_forge_handle", None)
