@@ -4,8 +4,9 @@ Three models (research note 1.3 and 3.3):
 
   StepTimeModel   roofline time, fitted per hardware|arch by non-negative least squares on
                   relative error:  T = F_mm/Pi_mm + F_att/Pi_att + Q_act/B_act + Q_score/B_s
-                                       + Q_w/B_w + steps*tau0
-                  (each 1/Pi, 1/B an effective ceiling; tau0 a fixed per-step overhead).
+                                       + Q_w/B_w + steps*tau0 + L*steps*tau_L
+                  (each 1/Pi, 1/B an effective ceiling; tau0 a fixed per-step overhead and
+                  tau_L a per-layer one: kernel launches and dispatch scale with layers).
   EnergyRoofline  E = N*P_static*T + e_F*F + e_Q*Q + e_X*X, NNLS per hardware (Choi et al.,
                   IPDPS 2013, plus link bytes). Post-run mode uses the measured T, pre-run mode
                   the StepTimeModel's T: the time error and the energy error show up separately.
@@ -30,7 +31,7 @@ from scipy.optimize import nnls
 
 from frugaltrain.energy.records import derive, is_measured
 
-TIME_TERMS = ("F_mm", "F_att", "Q_act", "Q_score", "Q_w", "steps")
+TIME_TERMS = ("F_mm", "F_att", "Q_act", "Q_score", "Q_w", "steps", "layer_steps")
 ENERGY_TERMS = ("NT", "F", "Q", "X")
 
 
@@ -164,6 +165,8 @@ class StepTimeModel:
             for t, v in zip(self.terms, c, strict=True):
                 if t == "steps":
                     row["tau0_s"] = v
+                elif t == "layer_steps":
+                    row["tau_layer_s"] = v
                 else:
                     row[f"{t}_{units[t]}"] = (1.0 / v) if v > 0 else math.inf
             out[key] = row

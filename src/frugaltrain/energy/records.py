@@ -137,7 +137,8 @@ def derive(rec: dict) -> dict:
     """Analytic proxies for a record's whole window (per device, x steps), plus paper proxies.
 
     Keys: F, F_mm, F_att (FLOPs), Q, Q_act, Q_score, Q_w (bytes: total, activation,
-    attention-score, weight/optimizer), X (collective bytes), params, tokens, C, M.
+    attention-score, weight/optimizer), X (collective bytes), layer_steps (layer passes: a
+    proxy for kernel launches), params, tokens, C, M.
     Score traffic is computed as without fused attention: a proxy for the s^2 memory term.
     """
     px = step_proxies(shape_of(rec), layout_of(rec))
@@ -152,6 +153,7 @@ def derive(rec: dict) -> dict:
         "Q_score": px.score_bytes * k,
         "Q_w": (px.hbm_bytes - px.act_bytes - px.score_bytes) * k,
         "X": px.comm_bytes * k / rec.get("comm_every", 1),
+        "layer_steps": rec["n_layer"] * rec["grad_accum"] * k,
         "params": px.params,
         "tokens": tokens,
         "C": 20 * rec["n_layer"] * rec["n_embd"] ** 2 * tokens,
