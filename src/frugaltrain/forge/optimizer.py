@@ -156,6 +156,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             from frugaltrain.forge import triton_kernel
 
             self._triton = triton_kernel
+            for h in self._handles:
+                if h.module.weight.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(
+                        f"FORGE: backend='triton' supports fp32 and bf16 weights; "
+                        f"'{h.name}.weight' is {h.module.weight.dtype} (use backend='torch')"
+                    )
 
     # ---- installation --------------------------------------------------------------------
 
@@ -264,7 +270,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         if self._mode == "norm":
             if self.backend == "triton":
-                self._sumsq += self._triton.fused_linear_sumsq(dy_BTV, x_BTH, self.tile_rows)
+                self._sumsq += self._triton.fused_linear_sumsq(dy_BTV, x_BTH)
                 return
             for r0 in range(0, V, R):
                 g_RH = dy_BTV[:, r0 : r0 + R].t() @ x_BTH
@@ -273,8 +279,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._mark_updated(w)
         state, scalars = self._begin_update(w)
         if self.backend == "triton":
+            sr = w.dtype == torch.bfloat16 and self.rounding == "stochastic"
+            seed = self._sr_seed(w, state) if sr else None
             self._triton.fused_linear_update(
-                dy_BTV, x_BTH, w, state, self.rule, scalars, self._coef, self._sr_seed(w, state)
+                dy_BTV, x_BTH, w, state, self.rule, scalars, self._coef, seed
             )
             return
         gen = self._sr_generator(w, state)

@@ -1,0 +1,200 @@
+"""Triton kernel: one program per (BV x BH) tile of W computes dW in fp32 registers, then the rule.
+
+The whole token reduction stays inside one program (no split-K: partial sums would need a
+cross-program reduction before the non-linear update). W and the states are read and written
+once per element; the full dW never reaches memory. The rule is the same function as the torch
+path's (rules.py), rebound to the Triton helpers below and jitted.
+
+Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (set before importing triton),
+which CI uses for correctness. fp32 dot products use input_precision="ieee" (no TF32), so the
+kernel matches the torch path to rounding.
+
+Shapes: BT tokens, V out_features (rows of W), H in_features; BV x BH a W tile, BK a token block.
+    dy_BTV (512, 4096) fp32   x_BTH (512, 1024) fp32   w_VH (4096, 1024) fp32 or bf16
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # pragma: no cover - exercised only where triton is missing
+    raise ImportError(
+        "FORGE backend='triton' needs the triton package (pip install triton, or the "
+        "frugaltrain[triton] extra); backend='torch' works without it"
+    ) from e
+
+from frugaltrain.forge.rules import RULES, Rule
+
+
+@triton.jit
+def _lerp(a, b, weight):
+    # torch's lerp formula, chosen by the weight as on CPU and CUDA
+    if weight < 0.5:
+        out = a + weight * (b - a)
+    else:
+        out = b - (b - a) * (1 - weight)
+    return out
+
+
+@triton.jit
+def _addcmul(a, b, c, value):
+    return a + value * b * c
+
+
+@triton.jit
+def _addcdiv(a, b, c, value):
+    return a + value * (b / c)
+
+
+@triton.jit
+def _add(a, b, alpha):
+    return a + alpha * b
+
+
+@triton.jit
+def _sign(a):
+    return tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
+
+
+@triton.jit
+def _sqrt(a):
+    return tl.sqrt(a)
+
+
+_HELPERS = {
+    "_lerp": _lerp,
+    "_addcmul": _addcmul,
+    "_addcdiv": _addcdiv,
+    "_add": _add,
+    "_sign": _sign,
+    "_sqrt": _sqrt,
+    "tl": tl,
+}
+
+
+def _jit_rule(rule: Rule):
+    """The rule's own code object, with the Triton helpers as its globals, jitted."""
+    fn = types.FunctionType(rule.update.__code__, dict(_HELPERS), rule.update.__name__)
+    fn.__module__ = rule.update.__module__
+    fn.__qualname__ = rule.update.__qualname__
+    return triton.jit(fn)
+
+
+_TL_RULES = {name: _jit_rule(rule) for name, rule in RULES.items()}
+
+
+@triton.jit
+def _fused_wgrad_kernel(
+    dy_ptr,  # (BT, V) fp32, row-major
+    x_ptr,  # (BT, H) fp32, row-major
+    w_ptr,  # (V, H) fp32 or bf16, row-major; updated in place
+    s1_ptr,  # (V, H) fp32 state
+    s2_ptr,  # (V, H) fp32 state (unused when NUM_STATES == 1)
+    sumsq_ptr,  # (num tiles,) fp32: per-tile sum of squares (MODE == 1)
+    BT,
+    V,
+    H,
+    coef,  # gradient scale (clip coefficient)
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,
+    seed,
+    RULE: tl.constexpr,
+    NUM_STATES: tl.constexpr,
+    MODE: tl.constexpr,  # 0: update, 1: sum of squares only
+    SR: tl.constexpr,  # stochastic rounding of a bf16 weight store
+    BV: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_h = pid_h * BH + tl.arange(0, BH)
+    acc = tl.zeros((BV, BH), dtype=tl.float32)
+    for k0 in range(0, BT, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        # dY^T block (BV, BK): a transposed view by index arithmetic, no copy
+        a = tl.load(
+            dy_ptr + offs_k[None, :] * V + offs_v[:, None],
+            mask=(offs_k[None, :] < BT) & (offs_v[:, None] < V),
+            other=0.0,
+        )
+        b = tl.load(
+            x_ptr + offs_k[:, None] * H + offs_h[None, :],
+            mask=(offs_k[:, None] < BT) & (offs_h[None, :] < H),
+            other=0.0,
+        )
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    g = acc * coef
+    mask = (offs_v[:, None] < V) & (offs_h[None, :] < H)
+    if MODE == 1:
+        tile = pid_v * tl.num_programs(1) + pid_h
+        tl.store(sumsq_ptr + tile, tl.sum(tl.where(mask, g * g, 0.0)))
+    else:
+        idx = offs_v[:, None] * H + offs_h[None, :]
+        w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+        s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+        w, s1, s2 = RULE(w, g, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7)
+        tl.store(s1_ptr + idx, s1, mask=mask)
+        if NUM_STATES == 2:
+            tl.store(s2_ptr + idx, s2, mask=mask)
+        if SR:
+            # add a uniform 16-bit integer below the kept bits, truncate: unbiased rounding
+            noise = tl.randint(seed, idx) & 0xFFFF
+            bits = w.to(tl.uint32, bitcast=True)
+            bits = (bits + noise) & 0xFFFF0000
+            w = tl.where(w != w, w, bits.to(tl.float32, bitcast=True))
+        tl.store(w_ptr + idx, w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(dy_BTV, x_BTH, w, s1, s2, sumsq, rule, scalars, coef, seed, mode, block):
+    BV, BH, BK = block
+    dy_BTV = dy_BTV.float().contiguous()
+    x_BTH = x_BTH.float().contiguous()
+    BT, V = dy_BTV.shape
+    H = x_BTH.shape[1]
+    grid = (triton.cdiv(V, BV), triton.cdiv(H, BH))
+    _fused_wgrad_kernel[grid](
+        dy_BTV, x_BTH, w, s1, s2, sumsq, BT, V, H, float(coef), *scalars, int(seed),
+        RULE=_TL_RULES[rule.name],
+        NUM_STATES=len(rule.state_names),
+        MODE=mode,
+        SR=w.dtype == torch.bfloat16 and seed >= 0,
+        BV=BV, BH=BH, BK=BK,
+    )  # fmt: skip
+
+
+def fused_linear_update(
+    dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=(32, 32, 32)
+) -> None:
+    """Update W (V, H) and its fp32 states in place from dY and X; seed None: round to nearest."""
+    s1 = state[rule.state_names[0]]
+    s2 = state[rule.state_names[1]] if len(rule.state_names) > 1 else s1
+    for t in (w, s1, s2):
+        if not t.is_contiguous():
+            raise ValueError("FORGE triton backend needs contiguous weights and states")
+    _launch(
+        dy_BTV, x_BTH, w, s1, s2, s1, rule, scalars, coef, -1 if seed is None else seed, 0, block
+    )
+
+
+def fused_linear_sumsq(dy_BTV, x_BTH, block=(32, 32, 32)) -> float:
+    """Sum of squares of dW = dY^T X, tile by tile, without storing dW (pass 1 of clipping)."""
+    BV, BH, _ = block
+    V, H = dy_BTV.shape[1], x_BTH.shape[1]
+    sumsq = torch.zeros(triton.cdiv(V, BV) * triton.cdiv(H, BH), device=dy_BTV.device)
+    rule = RULES["sgd"]
+    _launch(dy_BTV, x_BTH, sumsq, sumsq, sumsq, sumsq, rule, (0.0,) * 8, 1.0, -1, 1, block)
+    return float(sumsq.double().sum().item())
