@@ -146,7 +146,7 @@ def plot_timeline(traces: list[dict], path: str, title: str = "") -> None:
         "barrier": "tab:purple",
     }
     start = min(e[1] for t in traces for e in t["events"])
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(traces)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(traces)))
     for row, t in enumerate(traces):
         for kind, colour in colours.items():
             bars = [(a - start, b - a) for k, a, b, _ in t["events"] if k == kind]
@@ -155,7 +155,7 @@ def plot_timeline(traces: list[dict], path: str, title: str = "") -> None:
     ax.set_xlabel("seconds (measured)")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.legend(handles, list(colours), ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.6))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
