@@ -4,7 +4,8 @@
   every sample, the packed backbone micro-batches, encoder backward (trainable), both steps.
 - sync (batch-synchronized disaggregated, DistTrain-like): P encoder and C backbone processes.
   The encoder hands a whole global batch over; the backbone starts only when all of it arrived,
-  and the encoder starts the next batch only after every backbone rank acknowledged the handoff.
+  and the encoder starts the next batch only after every backbone rank acknowledged the handoff
+  (frozen: the handoff also frees the encoder's slots, as a send to the backbone would).
 - flow (FlowTrain-like): same processes, but samples stream through the pool one by one in the
   plan's consume order and the encoder runs ahead, bounded only by the pool's slots.
 
@@ -266,21 +267,29 @@ def _consumer(
     for k, plan in enumerate(plans):
         _inject(fault, tr.role, k)
         bins = plan.rank_bins[c]
+        got: dict[int, torch.Tensor] = {}
         if cfg.run.mode == "sync":  # the whole global batch must arrive before compute starts
-            for b in bins:
-                for sid in b:
-                    end.take(sid, k, wait_kind="barrier")
+            got = {sid: end.take(sid, k, wait_kind="barrier") for b in bins for sid in b}
+            if not train:  # handoff done: the batch now lives here, the encoder's slots are free
+                for sid in got:
+                    end.release(sid)
             end.ack(k)
         denom, total = ds.target_tokens(k), 0.0
         for b in bins:
-            embs = [end.take(sid, k).requires_grad_(train) for sid in b]
+            embs = [
+                (got.pop(sid) if sid in got else end.take(sid, k)).requires_grad_(train)
+                for sid in b
+            ]
             with tr.span("compute", k):
                 loss = cons.loss_sum(embs, _texts(ds, b)) / denom
                 loss.backward()
             total += loss.item()
             with tr.span("copy", k):
                 for sid, e in zip(b, embs, strict=True):
-                    end.give_grad(sid, e.grad) if train else end.release(sid)
+                    if train:
+                        end.give_grad(sid, e.grad)
+                    elif cfg.run.mode == "flow":
+                        end.release(sid)
         with tr.span("optim", k):
             if cfg.run.consumers > 1:
                 _all_reduce_grads(cons, group)

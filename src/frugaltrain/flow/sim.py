@@ -100,10 +100,10 @@ def simulate(
             if sync and k and first_of_step.get((p, k)) == j:
                 d.append(("handoff", k - 1))
             return d
-        if kind == "release":
+        if kind == "release":  # flow: when its micro-batch is done; sync: at the handoff
             _, p, j = n
             c, k, b_i = where[stream[p][j][1]]
-            return [("bin_end", c, k, b_i)]
+            return [("recv", c, k)] if sync else [("bin_end", c, k, b_i)]
         if kind == "bin_end":
             _, c, k, b_i = n
             prev = [("bin_end", c, k, b_i - 1)] if b_i else [("step_start", k)]
