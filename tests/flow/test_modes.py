@@ -60,6 +60,7 @@ def assert_same(a: dict, b: dict, exact: bool) -> None:
         (True, "shm", "flow"),
         (True, "dist", "flow"),
         (True, "shm", "sync"),
+        (False, "dist", "sync"),
     ],
 )
 def test_matches_monolithic(train: bool, backend: str, mode: str) -> None:
