@@ -397,3 +397,40 @@ def write(result: dict, path: str | Path) -> Path:
 
 def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=print) -> dict:
+    """Run the allocator's plan and the even split for real at `budget` worker slots, interleaved,
+    and report predicted vs measured samples/s. Above the core count this oversubscribes, which
+    the linear-replica model does not know about; the result says so."""
+    wcfg = with_sets(cfg, WORKLOADS[workload])
+    prof = profile(wcfg, 1, wcfg.alloc.profile_steps)
+    rho = {"encoder": {1: prof["rho"]["encoder"][1]}, "backbone": {1: prof["rho"]["backbone"][1]}}
+    plans_ = {"milp": solve_milp(rho, budget), "even": even_split(rho, budget)}
+    out: dict = {
+        "workload": workload,
+        "budget": budget,
+        "oversubscribed": budget > (os.cpu_count() or 1),
+        "measured.rho_samples_per_s": rho,
+    }
+    thr: dict[str, list[float]] = {k: [] for k in plans_}
+    for rep in range(reps):
+        for name, p in plans_.items():
+            vcfg = with_sets(
+                wcfg,
+                [
+                    "run.mode='flow'",
+                    f"run.producers={p.encoder.replicas}",
+                    f"run.consumers={p.backbone.replicas}",
+                ],
+            )
+            pl = make_plans(vcfg, DigitCaptions.from_config(vcfg))
+            m = measure(vcfg, pl, run(vcfg, pl), 0.0)
+            thr[name].append(m["measured.samples_per_s"])
+            log(
+                f"[alloc R={budget}] rep {rep} {name} {p.encoder.replicas}+{p.backbone.replicas}"
+                f" {thr[name][-1]:.1f} samples/s (measured)"
+            )
+    for name, p in plans_.items():
+        out[name] = {**p.to_dict(), "measured.samples_per_s": _stats(thr[name])}
+    return out

@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument("--no-ablations", action="store_true", help="only the three modes")
             s.add_argument("--out", default="", help="JSON path (default benchmarks/results/)")
+            s.add_argument(
+                "--alloc-check",
+                type=int,
+                default=0,
+                metavar="R",
+                help="instead: run the allocator's plan vs an even split at budget R",
+            )
     return p
 
 
