@@ -32,10 +32,10 @@ class LionReference(torch.optim.Optimizer):
                 m.lerp_(p.grad, 1 - b2)
 
 
-def make_gpt(dtype=torch.float64, tie: bool = False, seed: int = 0) -> GPT:
+def make_gpt(dtype=torch.float64, tie: bool = False, seed: int = 0, n_layer: int = 2) -> GPT:
     torch.manual_seed(seed)
     cfg = GPTConfig(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=VOCAB, block_size=T, tie_embeddings=tie
+        n_layer=n_layer, n_head=2, n_embd=32, vocab_size=VOCAB, block_size=T, tie_embeddings=tie
     )
     return GPT(cfg).to(dtype)
 
@@ -46,6 +46,13 @@ def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g))
         for _ in range(n)
     ]
+
+
+def learnable_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Next token = a fixed function of the current one, so the loss can fall in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, VOCAB, (B, T), generator=g) for _ in range(n)]
+    return [(x, (3 * x + 1) % VOCAB) for x in xs]
 
 
 def groups(model: torch.nn.Module, wd: float) -> list[dict]:
@@ -93,6 +100,7 @@ def kit() -> types.SimpleNamespace:
         HYPER=HYPER,
         LionReference=LionReference,
         batches=batches,
+        learnable_batches=learnable_batches,
         forge_groups=forge_groups,
         make_gpt=make_gpt,
         reference=reference,

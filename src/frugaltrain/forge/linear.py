@@ -4,7 +4,7 @@
     1. computes dX = dY @ W with the pre-update W (the chain rule needs the old weight),
     2. hands (W, X, dY) to the owner (ForgeOptimizer), which forms dW one block of rows at a time
        and applies the optimizer rule to that block at once,
-    3. returns None for the weight (which enters detached), so autograd never allocates W.grad.
+    3. returns None for the weight, so autograd never allocates W.grad.
 The bias gradient is returned normally and updated by the owner's post-accumulate-grad hook.
 
 The update writes W in place under no_grad, which bumps W's version counter: any other autograd
@@ -68,9 +68,9 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 f"exclude=lambda n: n.startswith('{handle.name}') to keep it on the standard path."
             )
         handle.pending = 1
-    # The weight enters detached: autograd gets no edge to its AccumulateGrad, so W.grad is never
-    # formed. The detached tensor shares W's version counter, so the in-place update stays checked.
-    return _ForgeLinearFn.apply(x, self.weight.detach(), self.bias, handle)
+    # The weight is an input (so the output needs grad even when x does not); the backward returns
+    # None for it, so its AccumulateGrad receives nothing and W.grad is never formed.
+    return _ForgeLinearFn.apply(x, self.weight, self.bias, handle)
 
 
 def install_linear(name: str, module: nn.Linear, owner) -> _LayerHandle:

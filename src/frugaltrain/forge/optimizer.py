@@ -225,14 +225,14 @@ class ForgeOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"FORGE: gradient norm is {norm}; this step's update is skipped", stacklevel=2
             )
-            return torch.tensor(norm)
+            return torch.tensor(norm, dtype=torch.float64)
         self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
         self._mode = "update"
         try:
             loss.backward()
         finally:
             self._mode, self._coef = "refuse", 1.0
-        return torch.tensor(norm)
+        return torch.tensor(norm, dtype=torch.float64)
 
     def _check_mode(self, name: str) -> None:
         if self._mode == "refuse":
@@ -400,7 +400,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """Close the step: updates already ran in backward (accumulation mode updates here)."""
-        if grad_scaler is not None:
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:
             raise ValueError(
                 "FORGE: torch.amp.GradScaler (fp16 dynamic loss scaling) is not supported: an "
                 "overflow found late in the backward cannot undo updates already applied. Train "

@@ -177,7 +177,7 @@ def _launch(dy_BTV, x_BTH, w, s1, s2, sumsq, rule, scalars, coef, seed, mode, bl
 
 
 def fused_linear_update(
-    dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=(32, 32, 32)
+    dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=(64, 64, 32)
 ) -> None:
     """Update W (V, H) and its fp32 states in place from dY and X; seed None: round to nearest."""
     s1 = state[rule.state_names[0]]
@@ -190,7 +190,7 @@ def fused_linear_update(
     )
 
 
-def fused_linear_sumsq(dy_BTV, x_BTH, block=(32, 32, 32)) -> float:
+def fused_linear_sumsq(dy_BTV, x_BTH, block=(64, 64, 32)) -> float:
     """Sum of squares of dW = dY^T X, tile by tile, without storing dW (pass 1 of clipping)."""
     BV, BH, _ = block
     V, H = dy_BTV.shape[1], x_BTH.shape[1]

@@ -1,0 +1,175 @@
+"""The hard cases, handled loudly: clipping, accumulation, tied and reused weights, fp16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from frugaltrain.forge import ForgeOptimizer
+
+# fp64 tolerance for the clipped runs: the two-pass norm sums squared tiles in another order than
+# clip_grad_norm_'s norm of norms, so the clip coefficient differs in the last ulps.
+CLIP_RTOL = 1e-12
+
+
+def _max_rel(a, b) -> float:
+    return max(
+        ((p - q).abs().max() / p.abs().max()).item()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def test_two_pass_clipping_equals_clip_grad_norm_then_adamw(kit):
+    a = kit.make_gpt()
+    b = kit.twin(a)
+    ref = kit.reference("adamw", a, 3e-3)
+    opt = ForgeOptimizer(
+        b, kit.forge_groups(b, "adamw"), tile_rows=16, max_grad_norm=0.5, **kit.HYPER["adamw"]
+    )
+    clipped = 0
+    for x, y in kit.batches(6):
+        a(x, y)[1].backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.5)
+        ref.step()
+        ref.zero_grad()
+        norm = opt.backward(b(x, y)[1])
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(norm.double(), ref_norm.double(), rtol=CLIP_RTOL, atol=0)
+        clipped += int(ref_norm > 0.5)
+    assert clipped >= 3  # the threshold really clips
+    assert _max_rel(a, b) <= CLIP_RTOL
+
+
+def test_clipping_without_two_pass_backward_raises(kit):
+    b = kit.make_gpt()
+    ForgeOptimizer(b, max_grad_norm=1.0, lr=1e-3)
+    x, y = kit.batches(1)[0]
+    with pytest.raises(ValueError, match="two-pass backward; call opt.backward"):
+        b(x, y)[1].backward()
+
+
+def test_non_finite_norm_skips_the_update_loudly():
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).double()
+    opt = ForgeOptimizer(net, max_grad_norm=1.0, lr=1e-2)
+    before = [p.clone() for p in net.parameters()]
+    loss = net(torch.full((2, 4), float("inf"), dtype=torch.float64)).sum()
+    with pytest.warns(UserWarning, match="update is skipped"):
+        norm = opt.backward(loss)
+    assert not torch.isfinite(norm) and opt.num_skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(before, net.parameters(), strict=True))
+
+
+def test_second_backward_before_step_is_refused(kit):
+    b = kit.make_gpt()
+    ForgeOptimizer(b, lr=1e-3)
+    (x, y), (x2, y2) = kit.batches(2)
+    b(x, y)[1].backward()
+    with pytest.raises(ValueError, match="accumulation_steps=K"):
+        b(x2, y2)[1].backward()
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_accumulation_mode_equals_one_big_batch(kit, clip):
+    a = kit.make_gpt()
+    b = kit.twin(a)
+    ref = kit.reference("adamw", a, 3e-3)
+    opt = ForgeOptimizer(
+        b,
+        kit.forge_groups(b, "adamw"),
+        tile_rows=16,
+        accumulation_steps=2,
+        max_grad_norm=clip,
+        **kit.HYPER["adamw"],
+    )
+    for x, y in kit.batches(4):
+        a(x, y)[1].backward()  # the big batch: mean over 2 x 16 tokens
+        if clip:
+            torch.nn.utils.clip_grad_norm_(a.parameters(), clip)
+        ref.step()
+        ref.zero_grad()
+        for i in range(2):  # two micro-batches of one sequence; losses scaled by 1/K
+            loss = b(x[i : i + 1], y[i : i + 1])[1] / 2
+            opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    assert _max_rel(a, b) <= 1e-12  # fp64: only the micro-batch summation order differs
+
+
+def test_accumulation_mode_checks_the_micro_batch_count(kit):
+    b = kit.make_gpt()
+    opt = ForgeOptimizer(b, lr=1e-3, accumulation_steps=2)
+    x, y = kit.batches(1)[0]
+    b(x, y)[1].backward()
+    with pytest.raises(ValueError, match="accumulation_steps=2 but the parameters saw"):
+        opt.step()
+
+
+def test_tied_weights_fall_back_reported_and_exact(kit):
+    a = kit.make_gpt(tie=True)
+    b = kit.twin(a)
+    ref = kit.reference("adamw", a, 3e-3)
+    with pytest.warns(UserWarning, match="head.weight"):
+        opt = ForgeOptimizer(b, kit.forge_groups(b, "adamw"), tile_rows=16, **kit.HYPER["adamw"])
+    assert opt.fallback == {"head.weight": "tied or shared with another module"}
+    for x, y in kit.batches(5):
+        a(x, y)[1].backward()
+        ref.step()
+        ref.zero_grad()
+        b(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_reused_linear_is_refused():
+    lin = nn.Linear(4, 4)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    net = Twice()
+    ForgeOptimizer(net, lr=1e-3)
+    with pytest.raises(ValueError, match="ran forward twice before its backward"):
+        net(torch.randn(2, 4))
+
+
+def test_weight_used_outside_its_linear_is_refused():
+    lin = nn.Linear(4, 4)
+    ForgeOptimizer(lin, lr=1e-3)
+    x = torch.randn(2, 4)
+    loss = lin(x).sum() + torch.nn.functional.linear(x, lin.weight).sum()
+    with pytest.raises(ValueError, match="received a gradient outside its Linear forward"):
+        loss.backward()
+
+
+def test_fp16_weights_are_refused():
+    with pytest.raises(ValueError, match="float16.*Use bf16 or fp32"):
+        ForgeOptimizer(nn.Linear(4, 4).half(), lr=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+def test_grad_scaler_is_refused():
+    lin = nn.Linear(4, 4)
+    opt = ForgeOptimizer(lin, lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(lin(torch.randn(2, 4)).sum()).backward()
+    with pytest.raises(ValueError, match="GradScaler"):
+        scaler.step(opt)
+
+
+def test_bad_arguments_name_the_option():
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="rule='adam' is unknown"):
+        ForgeOptimizer(lin, rule="adam")
+    with pytest.raises(ValueError, match=r"\['momentum'\] are not hyperparameters of rule 'adamw'"):
+        ForgeOptimizer(lin, momentum=0.9)
+    with pytest.raises(ValueError, match="states='int4' is unknown"):
+        ForgeOptimizer(lin, states="int4")
