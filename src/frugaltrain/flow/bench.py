@@ -81,6 +81,7 @@ def measure(cfg: FlowConfig, plans, res: RunResult, peak_flops: float) -> dict:
     out["measured.packing_efficiency"] = packing_efficiency(plans, lengths, cfg.sched.capacity)
     out["predicted.rank_imbalance_max_over_mean"] = rank_imbalance(plans)
     out["measured.loss"] = res.losses
+    out["measured.loadavg_1min"] = os.getloadavg()[0]  # the machine is shared: record its load
     # Backbone all-reduce + step time per step, for the simulator.
     tr = res.traces[-1]
     out["measured.optim_s_per_step"] = (

@@ -2,8 +2,8 @@
 
 FlowTrain (arXiv 2606.23087, Alg. 1) packs ready samples into micro-batches of capacity L with
 best-fit, costs a micro-batch B as Cost(B) = sum(l)/L + l_max^2/L^2, and deals micro-batches to
-data-parallel ranks in zig-zag (snake) order. We also fit t = a*sum(l) + b*sum(l^2) + c*l_max^2 + d
-to measured micro-batch times (non-negative least squares) and report which model predicts better.
+
+
 
 Packing is batch-closed: a global batch's samples are packed among themselves, and its loss is
 normalised by its target count, so the plan changes the schedule, never the result.
@@ -106,9 +106,10 @@ def pack_fifo(lengths: dict[int, int], L: int) -> list[list[int]]:
 
 
 def features(bin_lengths: list[int]) -> np.ndarray:
-    """[sum(l), sum(l^2), l_max^2, 1] of one micro-batch."""
+    """[sum(l), sum(l^2), l_max^2, sum(l)^2, 1] of one micro-batch. sum(l)^2 is there because
+    our CPU attention is dense with a block-diagonal mask, so it pays for the whole T x T."""
     a = np.asarray(bin_lengths, dtype=np.float64)
-    return np.array([a.sum(), (a**2).sum(), a.max() ** 2, 1.0])
+    return np.array([a.sum(), (a**2).sum(), a.max() ** 2, a.sum() ** 2, 1.0])
 
 
 def paper_cost(bin_lengths: list[int], L: int) -> float:
@@ -121,7 +122,7 @@ class CostFit:
     """Both cost models fitted on measured micro-batch seconds, scored on held-out micro-batches."""
 
     coef: list[float]
-    """Fitted model: seconds = coef . [sum(l), sum(l^2), l_max^2, 1]."""
+    """Fitted model: seconds = coef . [sum(l), sum(l^2), l_max^2, sum(l)^2, 1]."""
     paper_scale: list[float]
     """Paper model mapped to seconds: seconds = a * Cost(B) + b."""
     r2: dict[str, float]
