@@ -2,8 +2,9 @@
 
 FlowTrain (arXiv 2606.23087, Alg. 1) packs ready samples into micro-batches of capacity L with
 best-fit, costs a micro-batch B as Cost(B) = sum(l)/L + l_max^2/L^2, and deals micro-batches to
-
-
+data-parallel ranks in zig-zag (snake) order. We also fit
+t = a*sum(l) + b*sum(l^2) + c*l_max^2 + e*sum(l)^2 + d to measured micro-batch times (non-negative
+least squares) and report which model predicts held-out micro-batches better.
 
 Packing is batch-closed: a global batch's samples are packed among themselves, and its loss is
 normalised by its target count, so the plan changes the schedule, never the result.
