@@ -43,6 +43,7 @@ from frugaltrain.forge import precision
 from frugaltrain.forge.linear import _LayerHandle, install_linear, uninstall_linear
 from frugaltrain.forge.rules import RULES, Rule
 
+TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
 _BACKENDS = ("torch", "triton")
 _STATES = ("fp32", "int8")
 _ROUNDING = ("stochastic", "nearest")
@@ -57,7 +58,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             parameter of `model` that requires grad, in one group.
         rule: "adamw", "sgd" or "lion" (rules.py).
         tile_rows: R, output rows of W per tile; one tile of dW (R x in_features) is the largest
-            weight gradient alive. Default 128.
+            weight gradient alive. Default None: the largest multiple of 8 rows within
+            TILE_ELEMS elements (256 KiB in fp32), at least 8.
         states: "fp32" (float32, or float64 for float64 params) or "int8" (blockwise 8-bit).
         rounding: bf16 weight store, "stochastic" (seeded) or "nearest".
         seed: base seed of the stochastic rounding streams.
@@ -76,7 +78,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         params: Iterable | None = None,
         *,
         rule: str = "adamw",
-        tile_rows: int = 128,
+        tile_rows: int | None = None,
         states: str = "fp32",
         rounding: str = "stochastic",
         seed: int = 0,
@@ -102,7 +104,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         ):
             if value not in allowed:
                 raise ValueError(f"FORGE: {key}={value!r} is unknown; choose one of {allowed}")
-        if tile_rows < 1:
+        if tile_rows is not None and tile_rows < 1:
             raise ValueError(f"FORGE: tile_rows={tile_rows} must be >= 1")
         if accumulation_steps < 1:
             raise ValueError(f"FORGE: accumulation_steps={accumulation_steps} must be >= 1")
@@ -259,7 +261,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if w.dtype != torch.float32 and w.dtype != torch.float64:
             x_BTH, dy_BTV = x_BTH.float(), dy_BTV.float()  # fp32 accumulation for bf16 weights
         V = w.shape[0]
-        R = self.tile_rows
+        R = self._tile_rows_for(w)
         if self.accumulation_steps > 1:
             self._num_backward[w] = self._num_backward.get(w, 0) + 1
             buf = self._accum.get(w)
@@ -328,8 +330,15 @@ class ForgeOptimizer(torch.optim.Optimizer):
         g2 = grad.reshape(_rows(p), -1)
         if p.dtype not in (torch.float32, torch.float64):
             g2 = g2.float()
-        for r0 in range(0, g2.shape[0], self.tile_rows):
-            self._update_rows(p, state, r0, g2[r0 : r0 + self.tile_rows], scalars, gen)
+        R = self._tile_rows_for(p)
+        for r0 in range(0, g2.shape[0], R):
+            self._update_rows(p, state, r0, g2[r0 : r0 + R], scalars, gen)
+
+    def _tile_rows_for(self, p: nn.Parameter) -> int:
+        if self.tile_rows is not None:
+            return self.tile_rows
+        cols = p.numel() // _rows(p)
+        return max(8, TILE_ELEMS // max(cols, 1) // 8 * 8)
 
     def _begin_update(self, p: nn.Parameter) -> tuple[dict, tuple[float, ...]]:
         state = self.state[p]
