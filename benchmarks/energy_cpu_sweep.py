@@ -62,7 +62,7 @@ class TinyBert(nn.Module):
 
     def forward(self, idx_BT: torch.Tensor, labels_B: torch.Tensor) -> torch.Tensor:
         B, T = idx_BT.shape
-        x_BTC = self.tok(idx_BT) + self.pos(torch.arange(T))
+        x_BTC = self.tok(idx_BT) + self.pos(torch.arange(T, device=idx_BT.device))
         for m in self.layers:
             q, k, v = m["qkv"](m["ln1"](x_BTC)).split(x_BTC.shape[-1], dim=2)
             q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))

@@ -153,7 +153,7 @@ def test_nvml_counter_delta(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # The first read is the counter probe at construction, then start and stop.
     nv = _fake_nvml({"GPU-a": {"index": 0, "energy_mj": [5_000, 10_000, 135_000]}})
-    m = NvmlMeter([0], nvml=nv)
+    m = NvmlMeter([0], nvml=nv, min_window_s=0)
     m.start()
     r = m.stop()
     assert r.label == "measured (NVML)"
@@ -168,26 +168,36 @@ def test_nvml_maps_through_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch)
         "GPU-c": {"index": 2, "energy_mj": [0, 0, 7_000]},
     }
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")  # cuda:0 is physical 2
-    m = NvmlMeter([0], nvml=_fake_nvml(boards))
+    m = NvmlMeter([0], nvml=_fake_nvml(boards), min_window_s=0)
     m.start()
     assert m.stop().domains == pytest.approx({"gpu:GPU-c": 7.0})
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")  # UUID entries
-    m = NvmlMeter([0], nvml=_fake_nvml(boards))
+    m = NvmlMeter([0], nvml=_fake_nvml(boards), min_window_s=0)
     m.start()
     assert m.stop().domains == pytest.approx({"gpu:GPU-b": 2.0})
 
 
 def test_nvml_zero_delta_is_unavailable_not_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    m = NvmlMeter([0], nvml=_fake_nvml({"GPU-a": {"index": 0, "energy_mj": [42]}}))
+    m = NvmlMeter([0], nvml=_fake_nvml({"GPU-a": {"index": 0, "energy_mj": [42]}}), min_window_s=0)
     m.start()
     r = m.stop()
     assert r.joules is None and r.label.startswith("unavailable: NVML energy counter")
+    # A window shorter than the counter's reliable minimum is unavailable, not a number.
+    m = NvmlMeter([0], nvml=_fake_nvml({"GPU-a": {"index": 0, "energy_mj": [0, 0, 5_000]}}))
+    m.start()
+    r = m.stop()
+    assert r.joules is None and "reliable minimum" in r.label
 
 
 def test_nvml_pre_volta_integrates_power(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    m = NvmlMeter([0], nvml=_fake_nvml({"GPU-k80": {"index": 0, "power_mw": 150_000}}), poll_s=0.01)
+    m = NvmlMeter(
+        [0],
+        nvml=_fake_nvml({"GPU-k80": {"index": 0, "power_mw": 150_000}}),
+        poll_s=0.01,
+        min_window_s=0,
+    )
     m.start()
     # Sleep-free: the start and stop samples bracket the window, so 150 W x window.
     r = m.stop()
