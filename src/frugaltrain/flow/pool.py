@@ -3,8 +3,8 @@
 Two backends with one interface:
 
 - `ShmPool`: one host. Each producer owns a segment: a preallocated shared-memory slab
-  [slots, max_tokens, Dv] plus a gradient slab of the same shape. Descriptors (small tuples) go
-  through multiprocessing queues; payloads never do.
+  [slots, max_tokens, Dv] plus a gradient slab of the same shape. The slot table (descriptors)
+  is shared memory too; process-shared semaphores do the blocking.
 - `DistPool`: across processes or hosts over torch.distributed point-to-point (gloo on CPU).
   A producer's segment is its local slab; `put` posts an isend from the slot, and the slot is
   free again once the send (and, with a trainable encoder, the returning gradient) completes.
@@ -17,7 +17,8 @@ Slot state machine (ShmPool keeps it in a shared tensor and asserts every transi
     LEASED -> FREE                                (frozen encoder: consumer released it)
     LEASED -> GRAD_READY (consumer wrote dL/demb) -> FREE (producer read the gradient)
 
-Exactly once: a descriptor is queued once, to the one consumer the plan names, and taken once.
+Exactly once: a slot is published READY for the one consumer the plan names, and only that
+consumer moves it to LEASED.
 Backpressure: `put` blocks while its segment has no FREE slot (traced as "backpressure").
 Failure: every blocking call polls a shared `closed` flag and a deadline, so a crashed peer or a
 deadlock raises `PoolClosed` / `TimeoutError` instead of hanging.
@@ -25,7 +26,6 @@ deadlock raises `PoolClosed` / `TimeoutError` instead of hanging.
 
 from __future__ import annotations
 
-import queue
 import time
 from datetime import timedelta
 
@@ -51,6 +51,10 @@ def decode_gva(gva: int) -> tuple[int, int]:
 class ShmPool:
     """Shared-memory pool for P producers and C consumers on one host (see module docstring).
 
+    The slot table (sample_id, step, n_tokens, state, destination) lives in shared memory next
+    to the slabs; blocking uses process-shared semaphores (free slots per segment, READY slots
+    per consumer, returned gradients per segment, handoff acks), so publishing a sample is a
+    copy, four integer stores and one semaphore release: no pickling, no feeder threads.
     Build it in the parent, pass it to `spawn`ed children (or threads), then call
     `producer(p)` / `consumer(c)` there. `close()` from anywhere unblocks everyone.
     """
@@ -73,16 +77,13 @@ class ShmPool:
         self.timeout_s = timeout_s
         self.emb = torch.zeros(producers, slots, max_tokens, dim, dtype=dtype).share_memory_()
         self.grad = torch.zeros_like(self.emb).share_memory_()
-        # per slot: sample_id, step, n_tokens, state
-        self.meta = torch.zeros(producers, slots, 4, dtype=torch.int64).share_memory_()
-        self.free = [ctx.Queue() for _ in range(producers)]
-        self.ready = [ctx.Queue() for _ in range(consumers)]
-        self.grads = [ctx.Queue() for _ in range(producers)]
-        self.acks = [ctx.Queue() for _ in range(producers)]
+        # per slot: sample_id, step, n_tokens, state, destination consumer
+        self.meta = torch.zeros(producers, slots, 5, dtype=torch.int64).share_memory_()
+        self.free = [ctx.Semaphore(slots) for _ in range(producers)]
+        self.ready = [ctx.Semaphore(0) for _ in range(consumers)]
+        self.grads = [ctx.Semaphore(0) for _ in range(producers)]
+        self.acks = [ctx.Semaphore(0) for _ in range(producers)]
         self.closed = ctx.Event()
-        for p in range(producers):
-            for s in range(slots):
-                self.free[p].put(s)
 
     def close(self) -> None:
         self.closed.set()
@@ -96,19 +97,30 @@ class ShmPool:
     def states(self) -> torch.Tensor:
         return self.meta[..., 3].clone()
 
-    def _get(self, q, what: str):
+    def _acquire(self, sem, what: str) -> None:
+        """Blocking acquire that still notices `close()` and gives up after the timeout."""
+        if sem.acquire(False):
+            return
         deadline = time.monotonic() + self.timeout_s
-        while True:
+        while not sem.acquire(True, _POLL_S):
             if self.closed.is_set():
                 raise PoolClosed(f"pool closed while waiting for {what}")
-            try:
-                return q.get(timeout=_POLL_S)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"pool: waited {self.timeout_s}s for {what}; raise run.timeout_s if the "
-                        "peer is just slow"
-                    ) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"pool: waited {self.timeout_s}s for {what}; raise "
+                    "run.timeout_s if the peer is just slow"
+                )
+
+    def _find(self, p: int, state: int, dest: int = -1) -> int:
+        """A slot of segment p in `state` (and for `dest`); the semaphore says one exists."""
+        m = self.meta[p]
+        ok = m[:, 3] == state
+        if dest >= 0:
+            ok &= m[:, 4] == dest
+        idx = ok.nonzero()
+        assert len(idx), (p, state, dest)
+        # oldest first (lowest step, then sample id) keeps delivery in publication order
+        return int(idx[torch.argmin(m[idx[:, 0], 1] * (1 << 32) + m[idx[:, 0], 0])])
 
     def _move(self, p: int, s: int, old: int, new: int) -> None:
         assert int(self.meta[p, s, 3]) == old, (p, s, int(self.meta[p, s, 3]), old, new)
@@ -118,47 +130,43 @@ class ShmPool:
 class _ShmProducer:
     def __init__(self, pool: ShmPool, p: int, tracer) -> None:
         self.pool, self.p, self.tr = pool, p, tracer
+        self.in_flight = 0  # slots this producer filled that are not FREE again (occupancy)
 
     def put(self, sample_id: int, step: int, dest: int, emb_ND: torch.Tensor) -> None:
         """Write one sample's embeddings and publish it to consumer `dest` (blocks when full)."""
         pool, p = self.pool, self.p
         t0 = time.perf_counter()
-        try:
-            s = pool.free[p].get_nowait()
-        except queue.Empty:
-            s = pool._get(pool.free[p], f"a free slot of producer {p} (pool full)")
+        pool._acquire(pool.free[p], f"a free slot of producer {p} (pool full)")
         t1 = time.perf_counter()
-        if self.tr:
-            self.tr.add("backpressure", t0, t1, step)
+        s = pool._find(p, FREE)  # only this producer takes FREE slots of its segment
         n = emb_ND.shape[0]
         pool._move(p, s, FREE, WRITING)
         pool.emb[p, s, :n].copy_(emb_ND)
         pool.meta[p, s, :3] = torch.tensor([sample_id, step, n])
+        pool.meta[p, s, 4] = dest
         pool._move(p, s, WRITING, READY)
-        gva = encode_gva(p, s * pool.T * pool.D * pool.emb.element_size())
-        pool.ready[dest].put((sample_id, step, n, gva))
+        pool.ready[dest].release()  # publishes: the semaphore orders the stores above
         if self.tr:
+            self.tr.add("backpressure", t0, t1, step)
             self.tr.add("copy", t1, time.perf_counter(), step)
-            self.tr.occupancy.append((time.perf_counter(), pool.S - pool.free[p].qsize()))
+            used = int((pool.meta[p, :, 3] != FREE).sum())
+            self.tr.occupancy.append((time.perf_counter(), used))
 
-    def _read_grad(self, item) -> tuple[int, torch.Tensor]:
-        s, sample_id = item
+    def _read_grad(self) -> tuple[int, torch.Tensor]:
         pool, p = self.pool, self.p
-        n = int(pool.meta[p, s, 2])
+        s = pool._find(p, GRAD_READY)
+        sample_id, n = int(pool.meta[p, s, 0]), int(pool.meta[p, s, 2])
         g = pool.grad[p, s, :n].clone()
         pool._move(p, s, GRAD_READY, FREE)
-        pool.free[p].put(s)
+        pool.free[p].release()
         return sample_id, g
 
     def poll_grad(self) -> tuple[int, torch.Tensor] | None:
-        try:
-            item = self.pool.grads[self.p].get_nowait()
-        except queue.Empty:
-            return None
-        return self._read_grad(item)
+        return self._read_grad() if self.pool.grads[self.p].acquire(False) else None
 
     def wait_grad(self) -> tuple[int, torch.Tensor]:
-        return self._read_grad(self.pool._get(self.pool.grads[self.p], "a returning gradient"))
+        self.pool._acquire(self.pool.grads[self.p], "a returning gradient")
+        return self._read_grad()
 
     def flush(self) -> None:
         """Nothing in flight: shared-memory writes are complete when `put` returns."""
@@ -166,23 +174,29 @@ class _ShmProducer:
     def wait_ack(self, step: int) -> None:
         """Batch-synchronized handoff: wait until every consumer has received batch `step`."""
         for _ in range(self.pool.C):
-            got = self.pool._get(self.pool.acks[self.p], f"handoff ack of batch {step}")
-            assert got == step, (got, step)
+            self.pool._acquire(self.pool.acks[self.p], f"handoff ack of batch {step}")
 
 
 class _ShmConsumer:
     def __init__(self, pool: ShmPool, c: int, tracer) -> None:
         self.pool, self.c, self.tr = pool, c, tracer
-        self.held: dict[int, tuple[int, int, int, int]] = {}  # sample_id -> (p, s, step, n)
+        self.held: dict[int, tuple[int, int]] = {}  # sample_id -> (segment, slot)
         self.delivered: list[int] = []
 
     def _receive(self, what: str) -> None:
-        sample_id, step, n, gva = self.pool._get(self.pool.ready[self.c], what)
-        p, off = decode_gva(gva)
-        s = off // (self.pool.T * self.pool.D * self.pool.emb.element_size())
+        pool = self.pool
+        pool._acquire(pool.ready[self.c], what)
+        for p in range(pool.P):  # the semaphore promises one READY slot for us somewhere
+            m = pool.meta[p]
+            if bool(((m[:, 3] == READY) & (m[:, 4] == self.c)).any()):
+                s = pool._find(p, READY, self.c)
+                break
+        else:
+            raise AssertionError("ready semaphore without a READY slot")
+        sample_id = int(pool.meta[p, s, 0])
         assert sample_id not in self.held, f"sample {sample_id} delivered twice"
-        self.pool._move(p, s, READY, LEASED)
-        self.held[sample_id] = (p, s, step, n)
+        pool._move(p, s, READY, LEASED)
+        self.held[sample_id] = (p, s)
         self.delivered.append(sample_id)
 
     def take(self, sample_id: int, step: int = -1, wait_kind: str = "starvation") -> torch.Tensor:
@@ -191,27 +205,27 @@ class _ShmConsumer:
         while sample_id not in self.held:
             self._receive(f"sample {sample_id} (pool empty)")
         t1 = time.perf_counter()
-        p, s, _, n = self.held[sample_id]
-        out = self.pool.emb[p, s, :n].clone()
+        p, s = self.held[sample_id]
+        out = self.pool.emb[p, s, : int(self.pool.meta[p, s, 2])].clone()
         if self.tr:
             self.tr.add(wait_kind, t0, t1, step)
             self.tr.add("copy", t1, time.perf_counter(), step)
         return out
 
     def release(self, sample_id: int) -> None:
-        p, s, _, _ = self.held.pop(sample_id)
+        p, s = self.held.pop(sample_id)
         self.pool._move(p, s, LEASED, FREE)
-        self.pool.free[p].put(s)
+        self.pool.free[p].release()
 
     def give_grad(self, sample_id: int, grad_ND: torch.Tensor) -> None:
-        p, s, _, n = self.held.pop(sample_id)
-        self.pool.grad[p, s, :n].copy_(grad_ND)
+        p, s = self.held.pop(sample_id)
+        self.pool.grad[p, s, : grad_ND.shape[0]].copy_(grad_ND)
         self.pool._move(p, s, LEASED, GRAD_READY)
-        self.pool.grads[p].put((s, sample_id))
+        self.pool.grads[p].release()
 
     def ack(self, step: int) -> None:
         for p in range(self.pool.P):
-            self.pool.acks[p].put(step)
+            self.pool.acks[p].release()
 
     def flush(self) -> None:
         """Nothing in flight: gradients are in the shared slab when `give_grad` returns."""
