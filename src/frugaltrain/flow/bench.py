@@ -28,18 +28,20 @@ from frugaltrain.flow.trace import calibrate_matmul_flops, plot_timeline, summar
 
 # Named workloads are plain override lists on top of a config (a variant edits a copy).
 WORKLOADS = {
-    # encoder ~2x the backbone's time per batch at one thread each (measured, see docs/flow.md)
+    # encoder ~1.3x the backbone's time per batch at one thread each (measured in `plan`)
     "encoder_heavy": [
         "model.enc_dim=192",
-        "model.enc_layers=6",
+        "model.enc_layers=4",
         "model.enc_heads=6",
         "model.lm_dim=96",
         "model.lm_layers=2",
+        "model.lm_heads=4",
     ],
     # backbone ~15x the encoder's
     "backbone_heavy": [
         "model.enc_dim=64",
         "model.enc_layers=2",
+        "model.enc_heads=4",
         "model.lm_dim=160",
         "model.lm_layers=4",
         "model.lm_heads=4",
@@ -191,6 +193,7 @@ def bench(
     workloads: list[str] | None = None,
     ablations: bool = True,
     log=print,
+    partial: str | Path | None = None,
 ) -> dict:
     """Interleaved benchmark (A B C A B C ...) of the modes on each workload (measured), plus
     the simulator validated against the measurements and a projection (simulated)."""
@@ -269,6 +272,8 @@ def bench(
         }
         w.update(_simulate(wcfg, plans, prof, runs, thr))
         result["workloads"][wl] = w
+        if partial:
+            write(result, partial)  # a later failure must not lose the finished workloads
     return result
 
 

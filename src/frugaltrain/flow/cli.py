@@ -71,14 +71,28 @@ def main(argv: list[str]) -> int:
         if args.command == "bench":
             if args.reps < 1:
                 raise ConfigError(f"--reps = {args.reps}: must be at least 1")
+            if args.alloc_check:
+                res = bench.alloc_check(
+                    cfg,
+                    workload=args.workloads.split(",")[0],
+                    budget=args.alloc_check,
+                    reps=args.reps,
+                )
+                print(json.dumps(res, indent=1, default=float))
+                stamp = bench.stamp()
+                path = bench.write(res, args.out or f"benchmarks/results/flow-alloc-{stamp}.json")
+                print(f"wrote {path}")
+                return 0
+            out = args.out or f"benchmarks/results/flow-{bench.stamp()}.json"
             res = bench.bench(
                 cfg,
                 reps=args.reps,
                 workloads=args.workloads.split(","),
                 ablations=not args.no_ablations,
+                partial=out,
             )
             print(bench.table(res))
-            path = bench.write(res, args.out or f"benchmarks/results/flow-{bench.stamp()}.json")
+            path = bench.write(res, out)
             print(f"wrote {path}")
             return 0
     except ConfigError as e:
