@@ -8,6 +8,7 @@ and SGD: AdamW would turn round-off in a gradient that is truly 0 (the key bias)
 steps of either sign.
 """
 
+import multiprocessing
 from functools import lru_cache
 
 import pytest
@@ -97,6 +98,7 @@ def test_data_parallel_modules_match_and_deliver_exactly_once() -> None:
     assert_same(got.enc_state, ref.enc_state, exact=False)
     delivered = sorted(s for ids in got.delivered.values() for s in ids)
     assert delivered == list(range(3 * 8))  # every sample of 3 batches, once
+    assert multiprocessing.active_children() == []  # clean shutdown: every worker joined
 
 
 @pytest.mark.timeout(120)

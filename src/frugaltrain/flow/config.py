@@ -103,8 +103,9 @@ class FlowSched:
     dispatch: str = "snake"
     """Micro-batch to backbone-rank dispatch: snake (zig-zag by cost), lpt or round_robin."""
     cost: str = "paper"
-    """Cost model used for dispatch: paper (sum(l)/L + max(l)^2/L^2) or fitted (NNLS on
-    measured micro-batch times; see `frugaltrain flow plan`)."""
+    """Cost model used for dispatch: paper (sum(l)/L + max(l)^2/L^2), fitted (NNLS on measured
+    micro-batch times; see `frugaltrain flow plan`) or auto (profile, fit both, use the one
+    with the lower held-out error)."""
 
 
 @dataclass(kw_only=True)
@@ -196,7 +197,9 @@ def _validate(c: FlowConfig) -> None:
         s.dispatch,
         "choose snake, lpt or round_robin",
     )
-    _require(s.cost in ("paper", "fitted"), "sched.cost", s.cost, "choose paper or fitted")
+    _require(
+        s.cost in ("paper", "fitted", "auto"), "sched.cost", s.cost, "choose paper, fitted or auto"
+    )
     _require(a.budget >= 2, "alloc.budget", a.budget, "must be at least 2 (one slot per module)")
     _require(a.max_threads >= 1, "alloc.max_threads", a.max_threads, "must be at least 1")
     _require(a.profile_steps >= 1, "alloc.profile_steps", a.profile_steps, "must be at least 1")
