@@ -183,3 +183,30 @@ def test_forge_optimizer_builder_matches_torch_adamw_and_lambda_lr(kit):
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
     assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+
+
+def test_mlp_with_biases_and_ragged_shapes_matches_torch():
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(
+        torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.Linear(37, 29), torch.nn.LayerNorm(29),
+        torch.nn.Linear(29, 5),
+    ).double()  # fmt: skip
+    b = copy.deepcopy(a)
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    opt = ForgeOptimizer(b, lr=1e-2, weight_decay=0.1, tile_rows=8)
+    for _ in range(5):
+        x = torch.randn(3, 4, 13, dtype=torch.float64)  # input without grad: first layer too
+        for model, o in ((a, ref), (b, opt)):
+            model(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_remove_restores_the_model():
+    lin = torch.nn.Linear(4, 4)
+    opt = ForgeOptimizer(lin, lr=1e-3)
+    opt.remove()
+    lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is not None  # the standard backward again, no hook consumed it

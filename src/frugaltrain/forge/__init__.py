@@ -9,6 +9,7 @@ See docs/forge.md. Public surface:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -54,8 +55,6 @@ def forge_optimizer(
         plain = [p for n, p in named if no_decay(n)]
     if rule == "sgd":
         if eps != 0.0:
-            import warnings
-
             warnings.warn(f"FORGE: eps={eps} has no effect with rule='sgd'", stacklevel=2)
         hyper = {"lr": lr, "momentum": betas[0]}
     elif rule == "lion":
@@ -63,8 +62,6 @@ def forge_optimizer(
     else:
         hyper = {"lr": lr, "betas": tuple(betas), "eps": eps}
     if rule == "lion" and eps != 0.0:
-        import warnings
-
         warnings.warn(f"FORGE: eps={eps} has no effect with rule='lion'", stacklevel=2)
     groups = [
         {"params": decay, "weight_decay": weight_decay},

@@ -219,7 +219,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._mode, self._sumsq = "norm", 0.0
         try:
             loss.backward(retain_graph=True)
-            norm = math.sqrt(float(self._sumsq))
+            norm = math.sqrt(float(self._sumsq))  # the one host sync of the two-pass mode
         finally:
             self._mode = "refuse"
         if not math.isfinite(norm):
@@ -276,7 +276,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 return
             for r0 in range(0, V, R):
                 g_RH = dy_BTV[:, r0 : r0 + R].t() @ x_BTH
-                self._sumsq += torch.sum(g_RH.double().square()).item()
+                self._sumsq = self._sumsq + torch.sum(g_RH.double().square())  # no host sync
             return
         self._mark_updated(w)
         state, scalars = self._begin_update(w)
@@ -313,7 +313,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         self._check_mode(self._names.get(p, "?"))
         if self._mode == "norm":
-            self._sumsq += torch.sum(p.grad.double().square()).item()
+            self._sumsq = self._sumsq + torch.sum(p.grad.double().square())
             p.grad = None
             return
         self._mark_updated(p)

@@ -30,7 +30,9 @@ def stochastic_round_to_bf16(x_RH: torch.Tensor, gen: torch.Generator) -> torch.
     truncating carries into the kept bits with exactly that probability. NaNs pass through.
     """
     bits = x_RH.contiguous().view(torch.int32)
-    noise = torch.randint(0, _LOW16 + 1, x_RH.shape, generator=gen, dtype=torch.int32)
+    noise = torch.randint(
+        0, _LOW16 + 1, x_RH.shape, generator=gen, dtype=torch.int32, device=x_RH.device
+    )
     rounded = ((bits + noise) & _HIGH16).view(torch.float32)
     rounded = torch.where(torch.isnan(x_RH), x_RH, rounded)
     return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero

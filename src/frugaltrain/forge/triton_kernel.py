@@ -190,11 +190,11 @@ def fused_linear_update(
     )
 
 
-def fused_linear_sumsq(dy_BTV, x_BTH, block=(64, 64, 32)) -> float:
+def fused_linear_sumsq(dy_BTV, x_BTH, block=(64, 64, 32)) -> torch.Tensor:
     """Sum of squares of dW = dY^T X, tile by tile, without storing dW (pass 1 of clipping)."""
     BV, BH, _ = block
     V, H = dy_BTV.shape[1], x_BTH.shape[1]
     sumsq = torch.zeros(triton.cdiv(V, BV) * triton.cdiv(H, BH), device=dy_BTV.device)
     rule = RULES["sgd"]
     _launch(dy_BTV, x_BTH, sumsq, sumsq, sumsq, sumsq, rule, (0.0,) * 8, 1.0, -1, 1, block)
-    return float(sumsq.double().sum().item())
+    return sumsq.double().sum()  # a 0-d tensor on the device: no host sync here
