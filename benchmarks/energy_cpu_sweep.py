@@ -217,7 +217,7 @@ def main() -> None:
     print(f"{'uncalibrated roofline on microbenchmark ceilings':<52} {100 * naive_mape:>6.1f}%")
     print("\nfitted ceilings (all records):")
     for key, row in model.ceilings().items():
-        print(f"  {key}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()))
+        print(f"  {key}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if v is not None))
     print("energy: estimated only here (no RAPL) -> excluded from fits, not validated")
 
     RESULTS.mkdir(exist_ok=True)

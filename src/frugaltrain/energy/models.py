@@ -156,7 +156,8 @@ class StepTimeModel:
         return out
 
     def ceilings(self) -> dict[str, dict[str, float]]:
-        """Effective ceilings per key: FLOP/s, bytes/s, and tau0 in s/step (inf when unused)."""
+        """Effective ceilings per key: FLOP/s, bytes/s, tau0 in s/step, tau_layer in s per layer
+        pass (None where NNLS left a term unused: that resource never limited the fit)."""
         units = {"F_mm": "flop/s", "F_att": "flop/s", "Q_act": "B/s", "Q_score": "B/s"}
         units.update({"Q_w": "B/s"})
         out = {}
@@ -168,7 +169,7 @@ class StepTimeModel:
                 elif t == "layer_steps":
                     row["tau_layer_s"] = v
                 else:
-                    row[f"{t}_{units[t]}"] = (1.0 / v) if v > 0 else math.inf
+                    row[f"{t}_{units[t]}"] = (1.0 / v) if v > 0 else None
             out[key] = row
         return out
 
@@ -351,8 +352,9 @@ class EnergyPredictor:
                      "coef": self.time.coef, "se": self.time.se},
             "energy": {"by": list(self.energy.by), "coef": self.energy.coef,
                        "se": self.energy.se, "named": self.energy.named()},
-            "conformal": {"alpha": self.alpha, "q_pre": self.q_pre, "q_post": self.q_post,
-                          "method": self.calibration},
+            "conformal": {"alpha": self.alpha, "method": self.calibration,  # null: uncalibrated
+                          "q_pre": None if math.isinf(self.q_pre) else self.q_pre,
+                          "q_post": None if math.isinf(self.q_post) else self.q_post},
             "train_range": self.train_range,
         }  # fmt: skip
 
@@ -364,8 +366,8 @@ class EnergyPredictor:
         return cls(
             time=StepTimeModel(tuple(t["by"]), tuple(t["terms"]), t["coef"], t["se"]),
             energy=EnergyRoofline(tuple(e["by"]), e["coef"], e["se"]),
-            q_pre=c["q_pre"],
-            q_post=c["q_post"],
+            q_pre=math.inf if c["q_pre"] is None else c["q_pre"],
+            q_post=math.inf if c["q_post"] is None else c["q_post"],
             alpha=c["alpha"],
             calibration=c.get("method", "none"),
             train_range=d.get("train_range", {}),
