@@ -43,6 +43,15 @@ SCRIPT = textwrap.dedent(
         opt.backward(b(x, y)[1]); opt.step(); opt.zero_grad()
     print("clip adamw", rel(a, b))
 
+    a = make_gpt(torch.float32, n_layer=1); b = twin(a)
+    oa = ForgeOptimizer(a, forge_groups(a, "adamw"), states="int8", **HYPER["adamw"])
+    ob = ForgeOptimizer(b, forge_groups(b, "adamw"), states="int8", backend="triton",
+                        **HYPER["adamw"])
+    for x, y in batches(4):
+        for m, o in ((a, oa), (b, ob)):
+            m(x, y)[1].backward(); o.step()
+    print("int8 adamw", rel(a, b))
+
     outs = []
     for seed in (0, 0, 1):
         m = make_gpt(torch.bfloat16, n_layer=1)
@@ -73,4 +82,5 @@ def test_triton_kernel_under_interpreter_matches_torch():
     for rule in ("adamw", "sgd", "lion"):
         assert float(lines[f"parity {rule}"]) <= 1e-5, out.stdout
     assert float(lines["clip adamw"]) <= 1e-5, out.stdout
+    assert float(lines["int8 adamw"]) <= 1e-5, out.stdout  # same codes as the torch int8 path
     assert lines["bf16-sr 1"] == "1", out.stdout  # same seed reproduces, another seed differs

@@ -110,8 +110,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"FORGE: accumulation_steps={accumulation_steps} must be >= 1")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"FORGE: max_grad_norm={max_grad_norm} must be > 0 (None: off)")
-        if backend == "triton" and states == "int8":
-            raise ValueError("FORGE: states='int8' is implemented on backend='torch' only")
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, {**self.rule.defaults, **defaults})

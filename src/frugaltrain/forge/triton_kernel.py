@@ -28,6 +28,7 @@ except ImportError as e:  # pragma: no cover - exercised only where triton is mi
         "frugaltrain[triton] extra); backend='torch' works without it"
     ) from e
 
+from frugaltrain.forge.precision import QBLOCK
 from frugaltrain.forge.rules import RULES, Rule
 
 
@@ -89,16 +90,49 @@ _TL_RULES = {name: _jit_rule(rule) for name, rule in RULES.items()}
 
 
 @triton.jit
+def _dequant(q_ptr, sc_ptr, idx, sidx, mask, row_mask, SIGNED: tl.constexpr):
+    """8-bit codes -> fp32, as precision.dequantize (zero code of a sqrt state: half a step)."""
+    q = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32)
+    scale = tl.load(sc_ptr + sidx, mask=row_mask, other=0.0)
+    if SIGNED:
+        x = q * scale[:, None]
+    else:
+        r = tl.maximum(q, 0.5) * scale[:, None]
+        x = r * r
+    return x
+
+
+@triton.jit
+def _requant(x, q_ptr, sc_ptr, idx, sidx, mask, row_mask, SIGNED: tl.constexpr):
+    """fp32 tile -> 8-bit codes and one absmax scale per row of the tile (= one block)."""
+    if SIGNED:
+        qmax = 127.0
+        y = x
+    else:
+        qmax = 255.0
+        y = tl.sqrt(tl.maximum(x, 0.0))
+    scale = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1) / qmax
+    safe = tl.where(scale > 0, scale, 1.0)
+    q = tl.floor(y / safe[:, None] + 0.5)  # round half up (torch.round: half to even)
+    q = tl.minimum(tl.maximum(q, -qmax if SIGNED else 0.0), qmax)
+    tl.store(q_ptr + idx, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(sc_ptr + sidx, scale, mask=row_mask)
+
+
+@triton.jit
 def _fused_wgrad_kernel(
     dy_ptr,  # (BT, V) fp32, row-major
     x_ptr,  # (BT, H) fp32, row-major
     w_ptr,  # (V, H) fp32 or bf16, row-major; updated in place
-    s1_ptr,  # (V, H) fp32 state
-    s2_ptr,  # (V, H) fp32 state (unused when NUM_STATES == 1)
+    s1_ptr,  # (V, H) fp32 state, or its 8-bit codes when Q8
+    s2_ptr,  # (V, H) second state (unused when NUM_STATES == 1)
+    sc1_ptr,  # (V, NB) fp32 block scales of s1 when Q8 (NB = cdiv(H, BH), BH == QBLOCK)
+    sc2_ptr,  # (V, NB) block scales of s2 when Q8
     sumsq_ptr,  # (num tiles,) fp32: per-tile sum of squares (MODE == 1)
     BT,
     V,
     H,
+    NB,
     coef,  # gradient scale (clip coefficient)
     h0,
     h1,
@@ -113,6 +147,9 @@ def _fused_wgrad_kernel(
     NUM_STATES: tl.constexpr,
     MODE: tl.constexpr,  # 0: update, 1: sum of squares only
     SR: tl.constexpr,  # stochastic rounding of a bf16 weight store
+    Q8: tl.constexpr,  # 8-bit states, one scale per (row, BH columns)
+    SIGNED1: tl.constexpr,  # s1 is signed (int8 absmax codes) or non-negative (sqrt, uint8)
+    SIGNED2: tl.constexpr,
     BV: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
@@ -144,12 +181,22 @@ def _fused_wgrad_kernel(
     else:
         idx = offs_v[:, None] * H + offs_h[None, :]
         w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
-        s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+        if Q8:
+            sidx = offs_v * NB + pid_h
+            s1 = _dequant(s1_ptr, sc1_ptr, idx, sidx, mask, offs_v < V, SIGNED1)
+            s2 = _dequant(s2_ptr, sc2_ptr, idx, sidx, mask, offs_v < V, SIGNED2)
+        else:
+            s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
+            s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
         w, s1, s2 = RULE(w, g, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7)
-        tl.store(s1_ptr + idx, s1, mask=mask)
-        if NUM_STATES == 2:
-            tl.store(s2_ptr + idx, s2, mask=mask)
+        if Q8:
+            _requant(s1, s1_ptr, sc1_ptr, idx, offs_v * NB + pid_h, mask, offs_v < V, SIGNED1)
+            if NUM_STATES == 2:
+                _requant(s2, s2_ptr, sc2_ptr, idx, offs_v * NB + pid_h, mask, offs_v < V, SIGNED2)
+        else:
+            tl.store(s1_ptr + idx, s1, mask=mask)
+            if NUM_STATES == 2:
+                tl.store(s2_ptr + idx, s2, mask=mask)
         if SR:
             # add a uniform 16-bit integer below the kept bits, truncate: unbiased rounding
             noise = tl.randint(seed, idx) & 0xFFFF
@@ -159,19 +206,23 @@ def _fused_wgrad_kernel(
         tl.store(w_ptr + idx, w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(dy_BTV, x_BTH, w, s1, s2, sumsq, rule, scalars, coef, seed, mode, block):
+def _launch(dy_BTV, x_BTH, w, s, sc, sumsq, rule, scalars, coef, seed, mode, block):
     BV, BH, BK = block
     dy_BTV = dy_BTV.float().contiguous()
     x_BTH = x_BTH.float().contiguous()
     BT, V = dy_BTV.shape
     H = x_BTH.shape[1]
     grid = (triton.cdiv(V, BV), triton.cdiv(H, BH))
+    signed = rule.state_signed + rule.state_signed[-1:]
     _fused_wgrad_kernel[grid](
-        dy_BTV, x_BTH, w, s1, s2, sumsq, BT, V, H, float(coef), *scalars, int(seed),
+        dy_BTV, x_BTH, w, s[0], s[1], sc[0], sc[1], sumsq, BT, V, H, triton.cdiv(H, BH),
+        float(coef), *scalars, int(seed),
         RULE=_TL_RULES[rule.name],
         NUM_STATES=len(rule.state_names),
         MODE=mode,
         SR=w.dtype == torch.bfloat16 and seed >= 0,
+        Q8=sc[0] is not None,
+        SIGNED1=signed[0], SIGNED2=signed[1],
         BV=BV, BH=BH, BK=BK,
     )  # fmt: skip
 
@@ -179,15 +230,22 @@ def _launch(dy_BTV, x_BTH, w, s1, s2, sumsq, rule, scalars, coef, seed, mode, bl
 def fused_linear_update(
     dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=(64, 64, 32)
 ) -> None:
-    """Update W (V, H) and its fp32 states in place from dY and X; seed None: round to nearest."""
-    s1 = state[rule.state_names[0]]
-    s2 = state[rule.state_names[1]] if len(rule.state_names) > 1 else s1
-    for t in (w, s1, s2):
+    """Update W (V, H) and its states in place from dY and X; seed None: round to nearest.
+
+    States are fp32 tensors of W's shape, or 8-bit codes with `<name>_scale` (V, NB) tensors,
+    in which case the tile width BH must equal precision.QBLOCK so a tile row is one block.
+    """
+    names = rule.state_names + rule.state_names[-1:]
+    s = [state[n] for n in names[:2]]
+    q8 = f"{names[0]}_scale" in state
+    sc = [state[f"{n}_scale"] for n in names[:2]] if q8 else [None, None]
+    if q8 and block[1] != QBLOCK:
+        raise ValueError(f"FORGE: 8-bit states need a Triton tile width of {QBLOCK} columns")
+    for t in (w, *s):
         if not t.is_contiguous():
             raise ValueError("FORGE triton backend needs contiguous weights and states")
-    _launch(
-        dy_BTV, x_BTH, w, s1, s2, s1, rule, scalars, coef, -1 if seed is None else seed, 0, block
-    )
+    seed = -1 if seed is None else seed
+    _launch(dy_BTV, x_BTH, w, s, sc, s[0], rule, scalars, coef, seed, 0, block)
 
 
 def fused_linear_sumsq(dy_BTV, x_BTH, block=(64, 64, 32)) -> torch.Tensor:
@@ -196,5 +254,7 @@ def fused_linear_sumsq(dy_BTV, x_BTH, block=(64, 64, 32)) -> torch.Tensor:
     V, H = dy_BTV.shape[1], x_BTH.shape[1]
     sumsq = torch.zeros(triton.cdiv(V, BV) * triton.cdiv(H, BH), device=dy_BTV.device)
     rule = RULES["sgd"]
-    _launch(dy_BTV, x_BTH, sumsq, sumsq, sumsq, sumsq, rule, (0.0,) * 8, 1.0, -1, 1, block)
+    _launch(
+        dy_BTV, x_BTH, sumsq, [sumsq] * 2, [None] * 2, sumsq, rule, (0.0,) * 8, 1.0, -1, 1, block
+    )
     return sumsq.double().sum()  # a 0-d tensor on the device: no host sync here
