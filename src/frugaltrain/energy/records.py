@@ -89,11 +89,14 @@ def normalize(rec: dict) -> dict:
 
 
 def load_records(path: str | Path) -> list[dict]:
-    """Read records from a .csv or .jsonl file (one record per row / line)."""
+    """Read records from a .csv or .jsonl file (one record per row / line; JSONL lines with a
+    `kind` other than 'record' are skipped)."""
     path = Path(path)
     if path.suffix == ".jsonl":
         with path.open() as fh:
             raw = [json.loads(line) for line in fh if line.strip()]
+        # Logs may interleave other entries (preflight, idle, ...): keep the records.
+        raw = [r for r in raw if r.get("kind", "record") == "record"]
     elif path.suffix == ".csv":
         with path.open(newline="") as fh:
             raw = list(csv.DictReader(fh))
