@@ -55,7 +55,11 @@ def main() -> None:
         f"{len(records)} records, {len({r['group'] for r in records})} configuration families, "
         f"energy {records[0]['energy_label']}\n"
     )
-    out: dict = {"data": "data/energy/transformer_energy_single_gpu.csv", "rows": {}}
+    out: dict = {
+        "what": "held-out predictions vs energy measured by CodeCarbon (GPU+CPU+RAM)",
+        "data": "data/energy/transformer_energy_single_gpu.csv",
+        "rows": {},
+    }
 
     # 1. Reproduce the reference figures. 'FLOPs' is the data set's own flops_counts column
     # (as in the reference check); the analytic training FLOPs F of proxies.py are shown too.
