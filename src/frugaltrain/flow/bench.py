@@ -316,6 +316,8 @@ def _simulate(cfg: FlowConfig, plans, prof: dict, runs: dict, thr: dict) -> dict
     sim = {
         "flow": simulate(plans, mode="flow", producers=1, slots=cfg.pool.slots, **kw),
         "sync": simulate(plans, mode="sync", producers=1, slots=cfg.pool.slots, **kw),
+        "monolithic_1t": simulate_monolithic(plans, **kw),
+        # uses the profile's 2-thread speed-ups, which a loaded machine makes unreliable
         "monolithic": simulate_monolithic(
             plans,
             enc_s=lambda s: enc_t(s) / sp_e,
@@ -331,51 +333,49 @@ def _simulate(cfg: FlowConfig, plans, prof: dict, runs: dict, thr: dict) -> dict
             "error": v.samples_per_s / statistics.median(thr[k]) - 1,
         }
         for k, v in sim.items()
+        if k in thr
     }
-    # Projection: one-thread replicas (linear scaling assumed), the MILP plan vs an even split,
-    # the global batch growing with the backbone replicas so every consumer has work.
-    r1 = {"encoder": {1: rho["encoder"][1]}, "backbone": {1: rho["backbone"][1]}}
+    # Projection. The allocator gets the rates of the same per-sample models the simulator
+    # uses, so plan and simulation agree on the workload; every plan at a given R sees the same
+    # global batch (4 R samples); replicas run one thread each and scale linearly (assumed).
+    ids = [i for k in range(cfg.run.steps) for i in ds.batch_ids(k)]
+    rho_e = len(ids) / sum(enc_t(i) for i in ids)
+    rho_b = len(ids) / sum(bin_t(b) for pl in plans for bins in pl.rank_bins for b in bins)
+    r1 = {"encoder": {1: rho_e}, "backbone": {1: rho_b}}
     proj = {}
-    for R in (4, 8, 16, 32, 64):
-        p = solve_milp(r1, R)
-        row = {"plan": [p.encoder.replicas, p.backbone.replicas]}
-        for name, (P, C) in {
-            "milp": (p.encoder.replicas, p.backbone.replicas),
-            "even": (R // 2, R - R // 2),
-        }.items():
-            pcfg = with_sets(
-                cfg,
-                [
-                    f"run.consumers={C}",
-                    f"run.producers={P}",
-                    f"data.global_batch={8 * C}",
-                    "run.steps=4",
-                    "run.warmup_steps=1",
-                ],
-            )
+    for R in (2, 4, 8, 16, 32, 64):
+        milp, even = solve_milp(r1, R), even_split(r1, R)
+        row: dict = {
+            "milp_plan": [milp.encoder.replicas, milp.backbone.replicas],
+            "predicted.milp_G_samples_per_s": milp.G,
+            "predicted.even_G_samples_per_s": even.G,
+        }
+        base = [f"data.global_batch={4 * R}", "run.steps=4", "run.warmup_steps=1"]
+        for name, plan_ in (("milp", milp), ("even", even)):
+            P, C = plan_.encoder.replicas, plan_.backbone.replicas
+            pcfg = with_sets(cfg, [*base, f"run.consumers={C}", f"run.producers={P}"])
             pplans = make_plans(pcfg, DigitCaptions.from_config(pcfg))
-            s = max(min_slots(pplans, P, "sync"), cfg.pool.slots)
+            slots = max(min_slots(pplans, P, "sync"), cfg.pool.slots)
             kw2 = dict(kw, warmup_steps=1)
             row[f"simulated.flow_{name}_samples_per_s"] = simulate(
-                pplans, mode="flow", producers=P, slots=s, **kw2
+                pplans, mode="flow", producers=P, slots=slots, **kw2
             ).samples_per_s
             if name == "milp":
                 row["simulated.sync_samples_per_s"] = simulate(
-                    pplans, mode="sync", producers=P, slots=s, **kw2
+                    pplans, mode="sync", producers=P, slots=slots, **kw2
                 ).samples_per_s
-                row["simulated.monolithic_samples_per_s"] = simulate_monolithic(
-                    pplans,
-                    enc_s=lambda x: enc_t(x) / sp_e,
-                    bin_s=lambda b: bin_t(b) / sp_b,
-                    optim_s=optim,
-                    replicas=R // 2,
-                    warmup_steps=1,
-                ).samples_per_s
+        # monolithic data parallelism: R one-thread replicas, each encoder + backbone
+        mcfg = with_sets(cfg, [*base, f"run.consumers={R}"])
+        mplans = make_plans(mcfg, DigitCaptions.from_config(mcfg))
+        row["simulated.monolithic_1t_dp_samples_per_s"] = simulate_monolithic(
+            mplans, replicas=R, **dict(kw, warmup_steps=1)
+        ).samples_per_s
         proj[R] = row
     return {
         "simulated.validation": validation,
         "simulated.projection": proj,
         "measured.cost_fit": {"r2": fit.r2, "mape": fit.mape, "best": fit.best},
+        "measured.profile": prof,
     }
 
 
