@@ -66,12 +66,16 @@ def window(traces: list[dict], warmup_steps: int, steps: int) -> tuple[float, fl
 
 
 def breakdown(trace: dict, t0: float, t1: float) -> dict[str, float]:
-    """Seconds per kind inside [t0, t1], plus unaccounted time as 'other'."""
+    """Seconds per kind inside [t0, t1], time after the process's last event ('done'), and the
+    rest ('other': Python between spans, data preparation, descheduling outside spans)."""
     out = {k: 0.0 for k in BUSY_KINDS + IDLE_KINDS}
     for kind, a, b, _ in trace["events"]:
         a, b = max(a, t0), min(b, t1)
         if b > a:
             out[kind] = out.get(kind, 0.0) + b - a
+    # A producer that ran ahead finishes before the window closes: that tail is "done", not idle.
+    last = max((b for _, _, b, _ in trace["events"]), default=t0)
+    out["done"] = max(0.0, t1 - max(last, t0))
     out["other"] = max(0.0, (t1 - t0) - sum(out.values()))
     return out
 
@@ -96,6 +100,7 @@ def summarize(
         roles[t["role"]] = {
             "busy_frac": sum(b[k] for k in BUSY_KINDS) / wall,
             **{f"{k}_frac": b[k] / wall for k in IDLE_KINDS},
+            "done_frac": b["done"] / wall,
             "other_frac": b["other"] / wall,
         }
     occ = [n for t in traces for (ts, n) in t["occupancy"] if t0 <= ts <= t1]
