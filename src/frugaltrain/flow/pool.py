@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 FREE, WRITING, READY, LEASED, GRAD_READY = range(5)
@@ -97,6 +98,16 @@ class ShmPool:
     def states(self) -> torch.Tensor:
         return self.meta[..., 3].clone()
 
+    @property
+    def m(self):
+        """numpy view of the shared slot table (made per process; unpickling drops it)."""
+        if getattr(self, "_m", None) is None:
+            self._m = self.meta.numpy()
+        return self._m
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_m"}
+
     def _acquire(self, sem, what: str) -> None:
         """Blocking acquire that still notices `close()` and gives up after the timeout."""
         if sem.acquire(False):
@@ -113,18 +124,18 @@ class ShmPool:
 
     def _find(self, p: int, state: int, dest: int = -1) -> int:
         """A slot of segment p in `state` (and for `dest`); the semaphore says one exists."""
-        m = self.meta[p]
+        m = self.m[p]
         ok = m[:, 3] == state
         if dest >= 0:
             ok &= m[:, 4] == dest
-        idx = ok.nonzero()
+        idx = np.flatnonzero(ok)
         assert len(idx), (p, state, dest)
         # oldest first (lowest step, then sample id) keeps delivery in publication order
-        return int(idx[torch.argmin(m[idx[:, 0], 1] * (1 << 32) + m[idx[:, 0], 0])])
+        return int(idx[np.lexsort((m[idx, 0], m[idx, 1]))[0]])
 
     def _move(self, p: int, s: int, old: int, new: int) -> None:
-        assert int(self.meta[p, s, 3]) == old, (p, s, int(self.meta[p, s, 3]), old, new)
-        self.meta[p, s, 3] = new
+        assert self.m[p, s, 3] == old, (p, s, int(self.m[p, s, 3]), old, new)
+        self.m[p, s, 3] = new
 
 
 class _ShmProducer:
@@ -142,20 +153,20 @@ class _ShmProducer:
         n = emb_ND.shape[0]
         pool._move(p, s, FREE, WRITING)
         pool.emb[p, s, :n].copy_(emb_ND)
-        pool.meta[p, s, :3] = torch.tensor([sample_id, step, n])
-        pool.meta[p, s, 4] = dest
+        pool.m[p, s, :3] = (sample_id, step, n)
+        pool.m[p, s, 4] = dest
         pool._move(p, s, WRITING, READY)
         pool.ready[dest].release()  # publishes: the semaphore orders the stores above
         if self.tr:
             self.tr.add("backpressure", t0, t1, step)
             self.tr.add("copy", t1, time.perf_counter(), step)
-            used = int((pool.meta[p, :, 3] != FREE).sum())
+            used = int((pool.m[p, :, 3] != FREE).sum())
             self.tr.occupancy.append((time.perf_counter(), used))
 
     def _read_grad(self) -> tuple[int, torch.Tensor]:
         pool, p = self.pool, self.p
         s = pool._find(p, GRAD_READY)
-        sample_id, n = int(pool.meta[p, s, 0]), int(pool.meta[p, s, 2])
+        sample_id, n = int(pool.m[p, s, 0]), int(pool.m[p, s, 2])
         g = pool.grad[p, s, :n].clone()
         pool._move(p, s, GRAD_READY, FREE)
         pool.free[p].release()
@@ -187,13 +198,13 @@ class _ShmConsumer:
         pool = self.pool
         pool._acquire(pool.ready[self.c], what)
         for p in range(pool.P):  # the semaphore promises one READY slot for us somewhere
-            m = pool.meta[p]
-            if bool(((m[:, 3] == READY) & (m[:, 4] == self.c)).any()):
+            m = pool.m[p]
+            if ((m[:, 3] == READY) & (m[:, 4] == self.c)).any():
                 s = pool._find(p, READY, self.c)
                 break
         else:
             raise AssertionError("ready semaphore without a READY slot")
-        sample_id = int(pool.meta[p, s, 0])
+        sample_id = int(pool.m[p, s, 0])
         assert sample_id not in self.held, f"sample {sample_id} delivered twice"
         pool._move(p, s, READY, LEASED)
         self.held[sample_id] = (p, s)
@@ -206,7 +217,7 @@ class _ShmConsumer:
             self._receive(f"sample {sample_id} (pool empty)")
         t1 = time.perf_counter()
         p, s = self.held[sample_id]
-        out = self.pool.emb[p, s, : int(self.pool.meta[p, s, 2])].clone()
+        out = self.pool.emb[p, s, : int(self.pool.m[p, s, 2])].clone()
         if self.tr:
             self.tr.add(wait_kind, t0, t1, step)
             self.tr.add("copy", t1, time.perf_counter(), step)
