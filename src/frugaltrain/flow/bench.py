@@ -279,6 +279,9 @@ def bench(
                 for k, v in runs.items()
             },
             "measured.rho_samples_per_s": prof["rho"],
+            "measured.loadavg_1min": _stats(
+                [m["measured.loadavg_1min"] for v in runs.values() for m in v]
+            ),
             "measured.loss_first_last": [
                 runs["flow"][0]["measured.loss"][0],
                 runs["flow"][0]["measured.loss"][-1],
