@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from frugaltrain.forge import precision
+from frugaltrain.forge._inplace import inplace_variant
 from frugaltrain.forge.linear import _LayerHandle, install_linear, uninstall_linear
 from frugaltrain.forge.rules import RULES, Rule
 
@@ -91,6 +92,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if rule not in RULES:
             raise ValueError(f"FORGE: rule={rule!r} is unknown; choose one of {sorted(RULES)}")
         self.rule: Rule = RULES[rule]
+        self._update_inplace = inplace_variant(self.rule.update)
         unknown = set(defaults) - set(self.rule.defaults)
         if unknown:
             raise ValueError(
@@ -360,35 +362,40 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 state[name] = torch.zeros(p.shape, dtype=math_dtype, device=p.device)
 
     def _update_rows(self, p, state, r0, g_RH, scalars, gen) -> None:
-        """Load rows r0:r0+R of W and its states, apply the rule, store them back."""
+        """Load rows r0:r0+R of W and its states, apply the rule, store them back.
+
+        The rule runs in place (`_inplace.inplace_variant`) on tiles this method owns: views of
+        W and fp32 states that it overwrites anyway, private copies otherwise, and g_RH, which
+        every caller hands over (a fresh GEMM tile or a gradient it has already detached).
+        """
         r1 = r0 + g_RH.shape[0]
         w2 = p.view(_rows(p), -1)
-        w_RH = w2[r0:r1]
-        if w_RH.dtype != g_RH.dtype:
-            w_RH = w_RH.to(g_RH.dtype)
-        s_in = []
+        w_view = w2[r0:r1]
+        w_RH = w_view if w_view.dtype == g_RH.dtype else w_view.to(g_RH.dtype)
+        s_in, views = [], []
         for name, signed in zip(self.rule.state_names, self.rule.state_signed, strict=True):
             s = state[name]
             if s.dtype in (torch.int8, torch.uint8):
+                views.append(None)
                 s_in.append(precision.dequantize(s[r0:r1], state[f"{name}_scale"][r0:r1], signed))
             else:
-                s_in.append(s.view(w2.shape)[r0:r1])
-        s1 = s_in[0]
-        s2 = s_in[1] if len(s_in) > 1 else s1
-        w_new, s1_new, s2_new = self.rule.update(w_RH, g_RH, s1, s2, *scalars)
-        for name, signed, new in zip(
-            self.rule.state_names, self.rule.state_signed, (s1_new, s2_new), strict=False
+                views.append(s.view(w2.shape)[r0:r1])
+                s_in.append(views[-1])
+        s2 = s_in[1] if len(s_in) > 1 else None
+        w_new, s1_new, s2_new = self._update_inplace(w_RH, g_RH, s_in[0], s2, *scalars)
+        for name, signed, new, view in zip(
+            self.rule.state_names, self.rule.state_signed, (s1_new, s2_new), views, strict=False
         ):
-            s = state[name]
-            if s.dtype in (torch.int8, torch.uint8):
+            if view is None:
                 codes, scale = precision.quantize(new, signed)
-                s[r0:r1] = codes
+                state[name][r0:r1] = codes
                 state[f"{name}_scale"][r0:r1] = scale
-            else:
-                s.view(w2.shape)[r0:r1].copy_(new)
+            elif new is not view:
+                view.copy_(new)
         if p.dtype == torch.bfloat16 and self.rounding == "stochastic":
             w_new = precision.stochastic_round_to_bf16(w_new, gen)
-        w2[r0:r1].copy_(w_new)  # in place under no_grad: bumps W's version counter
+        if w_new is not w_view:
+            w_view.copy_(w_new)  # in place under no_grad: bumps W's version counter
 
     def _sr_seed(self, p: nn.Parameter, state: dict) -> int:
         """Seed of p's rounding stream this step: reproducible, distinct per param and step."""
