@@ -210,3 +210,14 @@ def test_remove_restores_the_model():
     opt.remove()
     lin(torch.randn(2, 4)).sum().backward()
     assert lin.weight.grad is not None  # the standard backward again, no hook consumed it
+
+
+def test_forge_optimizer_no_decay_callable_and_sgd_mapping(kit):
+    m = kit.make_gpt()
+    with pytest.warns(UserWarning, match="eps=1e-08 has no effect with rule='sgd'"):
+        opt = forge_optimizer(
+            m, "sgd", 0.1, (0.9, 0.99), 1e-8, 0.01, no_decay=lambda n: n.startswith("wte")
+        )
+    decay, plain = opt.param_groups
+    assert plain["params"] == [m.wte.weight] and plain["weight_decay"] == 0.0
+    assert decay["weight_decay"] == 0.01 and decay["momentum"] == 0.9
