@@ -253,8 +253,9 @@ def profile(cfg, max_threads: int, micro_batches: int) -> dict:
                         if t == 1:
                             out["bins"].append([lengths[i] for i in b])
                             out["bin_seconds"].append(dt)
+            # BFD and FIFO bins each hold every sample once, so n_bb counts each sample twice
+            # over twice the time: the rate is still samples per second of backbone work.
             out["rho"]["backbone"][t] = n_bb / bb_s
-            # FIFO bins repeat every sample, so per-sample rate is samples timed / seconds.
     finally:
         torch.set_num_threads(saved)
     return out

@@ -115,7 +115,7 @@ class FlowAlloc:
     max_threads: int = 2
     """Largest threads-per-replica candidate (the CPU stand-in for tensor parallelism)."""
     profile_steps: int = 3
-    """Warm-up micro-batches timed per candidate when profiling (count)."""
+    """Global batches of unseen samples timed per thread count in the warm-up profile (count)."""
 
 
 @dataclass(kw_only=True)
