@@ -173,3 +173,12 @@ def test_bad_arguments_name_the_option():
         ForgeOptimizer(lin, momentum=0.9)
     with pytest.raises(ValueError, match="states='int4' is unknown"):
         ForgeOptimizer(lin, states="int4")
+
+
+def test_second_optimizer_on_the_same_model_is_refused_until_remove():
+    lin = nn.Linear(4, 4)
+    opt = ForgeOptimizer(lin, lr=1e-3)
+    with pytest.raises(ValueError, match="already belong to another ForgeOptimizer"):
+        ForgeOptimizer(lin, lr=1e-3)
+    opt.remove()
+    ForgeOptimizer(lin, lr=1e-3)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -44,6 +45,9 @@ from frugaltrain.forge._inplace import inplace_variant
 from frugaltrain.forge.linear import _LayerHandle, install_linear, uninstall_linear
 from frugaltrain.forge.rules import RULES, Rule
 
+# id(parameter) -> the ForgeOptimizer whose hooks it carries (one owner at a time). Keyed by id,
+# not by the tensor (tensors compare element-wise); entries go when the parameter is freed.
+_OWNERS: dict[int, ForgeOptimizer] = {}
 TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
 _BACKENDS = ("torch", "triton")
 _STATES = ("fp32", "int8")
@@ -144,8 +148,27 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._accum: dict[nn.Parameter, torch.Tensor] = {}
         self._names = names
 
+        if backend == "triton":
+            from frugaltrain.forge import triton_kernel
+
+            self._triton = triton_kernel
+            for p in self._params:
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(
+                        f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
+                        f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
+                    )
+        taken = [names.get(p, "?") for p in self._params if id(p) in _OWNERS]
+        if taken:
+            raise ValueError(
+                f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
+                "call its remove() before building a new one (two would update them twice)"
+            )
         self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
         self._handles, self._hooks = self._install(model, exclude)
+        for p in self._params:
+            _OWNERS[id(p)] = self
+            weakref.finalize(p, _OWNERS.pop, id(p), None)
         self._fused = {h.module.weight for h in self._handles}
         self._param_index = {p: i for i, p in enumerate(self._params)}
         if self.fallback:
@@ -154,16 +177,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 f"each: {self.fallback}",
                 stacklevel=2,
             )
-        if backend == "triton":
-            from frugaltrain.forge import triton_kernel
-
-            self._triton = triton_kernel
-            for h in self._handles:
-                if h.module.weight.dtype not in (torch.float32, torch.bfloat16):
-                    raise ValueError(
-                        f"FORGE: backend='triton' supports fp32 and bf16 weights; "
-                        f"'{h.name}.weight' is {h.module.weight.dtype} (use backend='torch')"
-                    )
 
     # ---- installation --------------------------------------------------------------------
 
@@ -204,6 +217,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             uninstall_linear(h.module)
         for hook in self._hooks:
             hook.remove()
+        for p in self._params:
+            if _OWNERS.get(id(p)) is self:
+                del _OWNERS[id(p)]
         self._handles, self._hooks = [], []
 
     # ---- backward entry points ---------------------------------------------------------------
