@@ -4,7 +4,7 @@
     frugaltrain train --resume runs/default          # continue from the latest checkpoint
     frugaltrain report runs/default                  # re-render the summary table and plots
     frugaltrain energy ...                           # meters, fits, predictions (energy/cli.py)
-    frugaltrain flow ...                             # FlowTrain vision-language dataflow (flow/cli.py)
+    frugaltrain flow ...                             # FlowTrain vision-language (flow/cli.py)
 
 Subsystems with many verbs own their parser (`frugaltrain.<subsystem>.cli.main(argv) -> int`);
 this file only routes to them, importing lazily so a missing optional extra never breaks `train`.
@@ -28,8 +28,13 @@ SUBSYSTEM_COMMANDS = {
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train with an outer strategy on N local workers or torchrun")
     p.add_argument("--config", help="TOML config file (see examples/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set outer.H=50 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set outer.H=50 (repeatable)",
+    )
     p.add_argument("--workers", type=int, help="shortcut for --set run.workers=N")
     p.add_argument("--outer", help="shortcut for --set outer.strategy=NAME")
     p.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
@@ -39,8 +44,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 def _shortcuts(args: argparse.Namespace) -> list[str]:
     sets = []
-    for flag, key in (("workers", "run.workers"), ("outer", "outer.strategy"),
-                      ("steps", "run.steps"), ("name", "run.name")):
+    for flag, key in (
+        ("workers", "run.workers"),
+        ("outer", "outer.strategy"),
+        ("steps", "run.steps"),
+        ("name", "run.name"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             sets.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")

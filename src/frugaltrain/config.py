@@ -13,12 +13,13 @@ The loader (`build_config`) is generic over nested dataclasses so other subsyste
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 
 class ConfigError(ValueError):
@@ -44,7 +45,7 @@ class RunSection:
     checkpoint_every: int = 0
     """Write a checkpoint every this many outer rounds (0: only at the end)."""
     stop_at_round: int = 0
-    """Stop (with a checkpoint) after this outer round; 0 runs to the end. For resume tests and demos."""
+    """Stop (with a checkpoint) after this outer round; 0 runs to the end (resume tests, demos)."""
     threads: int = 0
     """torch threads per worker (0: cores / workers, at least 1)."""
     backend: str = "auto"
@@ -66,7 +67,7 @@ class DataSection:
     val_fraction: float = 0.05
     """Fraction of documents (files) held out for validation, chosen by a hash of their path."""
     sharding: str = "iid"
-    """iid (each shard interleaves 4 KiB chunks of the whole stream) or noniid (contiguous slices)."""
+    """iid (each shard interleaves 4 KiB chunks of the stream) or noniid (contiguous slices)."""
     num_shards: int = 0
     """Number of data shards (0: one per worker). Worker i reads shards i, i+workers, ..."""
     seq_len: int = 128
@@ -154,42 +155,65 @@ def validate(cfg: Config) -> None:
     _require(r.steps >= 1, "run.steps", r.steps, "must be at least 1")
     _require(r.eval_every >= 0, "run.eval_every", r.eval_every, "must be >= 0 (0: end only)")
     _require(r.eval_batches >= 1, "run.eval_batches", r.eval_batches, "must be at least 1")
-    _require(r.backend in ("auto", "gloo", "nccl"), "run.backend", r.backend,
-             "choose auto, gloo or nccl")
+    _require(
+        r.backend in ("auto", "gloo", "nccl"), "run.backend", r.backend, "choose auto, gloo or nccl"
+    )
     _require(r.device in ("cpu", "cuda"), "run.device", r.device, "choose cpu or cuda")
     _require(r.timeout_s > 0, "run.timeout_s", r.timeout_s, "must be positive")
     _require(d.sharding in ("iid", "noniid"), "data.sharding", d.sharding, "choose iid or noniid")
-    _require(0 < d.val_fraction < 1, "data.val_fraction", d.val_fraction,
-             "must be strictly between 0 and 1")
+    _require(
+        0 < d.val_fraction < 1,
+        "data.val_fraction",
+        d.val_fraction,
+        "must be strictly between 0 and 1",
+    )
     _require(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be at least 2")
     _require(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be at least 1")
     _require(d.max_bytes >= 0, "data.max_bytes", d.max_bytes, "must be >= 0 (0: no limit)")
     _require(d.num_shards >= 0, "data.num_shards", d.num_shards, "must be >= 0 (0: one per worker)")
     if d.num_shards:
-        _require(d.num_shards >= r.workers, "data.num_shards", d.num_shards,
-                 f"fewer shards than run.workers = {r.workers}; set data.num_shards >= "
-                 f"{r.workers} or 0 (one shard per worker)")
+        _require(
+            d.num_shards >= r.workers,
+            "data.num_shards",
+            d.num_shards,
+            f"fewer shards than run.workers = {r.workers}; set data.num_shards >= "
+            f"{r.workers} or 0 (one shard per worker)",
+        )
     _require(m.n_layer >= 1, "model.n_layer", m.n_layer, "must be at least 1")
-    _require(m.n_embd % m.n_head == 0, "model.n_head", m.n_head,
-             f"must divide model.n_embd = {m.n_embd}")
+    _require(
+        m.n_embd % m.n_head == 0, "model.n_head", m.n_head, f"must divide model.n_embd = {m.n_embd}"
+    )
     _require(m.vocab_size >= 2, "model.vocab_size", m.vocab_size, "must be at least 2")
     _require(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
     _require(opt.name == "adamw", "optim.name", opt.name, "choose adamw")
     _require(opt.lr > 0, "optim.lr", opt.lr, "must be positive")
     _require(all(0 <= b < 1 for b in opt.betas), "optim.betas", opt.betas, "each must be in [0, 1)")
     _require(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")
-    _require(0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio,
-             "must be in [0, 1]")
+    _require(
+        0 <= opt.min_lr_ratio <= 1, "optim.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]"
+    )
     _require(opt.grad_clip >= 0, "optim.grad_clip", opt.grad_clip, "must be >= 0 (0: off)")
-    _require(o.strategy in STRATEGIES, "outer.strategy", o.strategy,
-             f"choose one of {', '.join(STRATEGIES)}")
+    _require(
+        o.strategy in STRATEGIES,
+        "outer.strategy",
+        o.strategy,
+        f"choose one of {', '.join(STRATEGIES)}",
+    )
     _require(o.H >= 1, "outer.H", o.H, "must be at least 1 (inner steps per outer round)")
-    _require(o.H <= r.steps, "outer.H", o.H,
-             f"exceeds run.steps = {r.steps}, so no outer round would run; lower outer.H")
+    _require(
+        o.H <= r.steps,
+        "outer.H",
+        o.H,
+        f"exceeds run.steps = {r.steps}, so no outer round would run; lower outer.H",
+    )
     if o.strategy != "ddp":
-        _require(r.steps % o.H == 0, "run.steps", r.steps,
-                 f"must be a multiple of outer.H = {o.H} so the run ends on an outer round; "
-                 f"use run.steps = {max(o.H, r.steps // o.H * o.H)}")
+        _require(
+            r.steps % o.H == 0,
+            "run.steps",
+            r.steps,
+            f"must be a multiple of outer.H = {o.H} so the run ends on an outer round; "
+            f"use run.steps = {max(o.H, r.steps // o.H * o.H)}",
+        )
     _require(o.lr > 0, "outer.lr", o.lr, "must be positive")
     _require(0 <= o.momentum < 1, "outer.momentum", o.momentum, "must be in [0, 1)")
 
@@ -281,7 +305,7 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
 
 
 def build_config(cls: type, raw: dict | None = None, overrides: list[str] | None = None) -> Any:
-    """Build dataclass `cls` from a nested dict plus `key=value` overrides, validating everything."""
+    """Build dataclass `cls` from a nested dict plus `key=value` overrides; validate all."""
     tree: dict = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (raw or {}).items()}
     for item in overrides or []:
         path, value = _parse_override(item)
@@ -309,7 +333,7 @@ def to_dict(cfg: Any) -> dict:
 
 
 def to_toml(cfg: Any) -> str:
-    """Render a (two-level) config dataclass as TOML; `load_config` reads it back to an equal one."""
+    """Render a two-level config dataclass as TOML; `load_config` reads it back equal."""
     lines: list[str] = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")

@@ -149,8 +149,9 @@ class BatchSampler:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,),
-                               generator=g)
+        starts = torch.randint(
+            0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=g
+        )
         window = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
         window = window.long()
         return window[:, :-1], window[:, 1:]

@@ -20,8 +20,11 @@ class MetricsLog:
         self.enabled = enabled
         if enabled and truncate_after_step is not None and self.path.exists():
             # Resuming: keep the records up to the checkpoint so the log continues seamlessly.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line).get("step", 0) <= truncate_after_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= truncate_after_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = open(self.path, "a") if enabled else None  # noqa: SIM115
 

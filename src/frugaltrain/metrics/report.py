@@ -1,4 +1,4 @@
-"""Summary table and loss plots of a run, from its metrics.jsonl alone (so `report` can re-render)."""
+"""Summary table and loss plots of a run, from its metrics.jsonl alone (`report` re-renders)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,10 @@ def format_summary(summary: dict) -> str:
         ("rounds / inner steps", f"{summary['rounds']} / {summary['steps']}"),
         ("tokens (all workers)", _fmt(summary["tokens"])),
         ("train loss (last round)", _fmt(summary["loss/train_last"])),
-        ("val loss first -> last", f"{_fmt(summary['loss/val_first'])} -> "
-                                   f"{_fmt(summary['loss/val_last'])}"),
+        (
+            "val loss first -> last",
+            f"{_fmt(summary['loss/val_first'])} -> {_fmt(summary['loss/val_last'])}",
+        ),
         (f"compute s per worker ({clock})", _fmt(summary["time/compute_s"])),
         (f"blocking comm s per worker ({clock})", _fmt(summary["time/blocking_s"])),
         (f"compute utilization ({clock})", _fmt(summary["util/compute"])),
@@ -84,11 +86,20 @@ def plot_losses(records: list[dict], path: Path, title: str = "") -> Path:
     rounds = [r for r in records if r.get("kind") == "round" and "loss/val" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if steps:
-        ax.plot([r["step"] for r in steps], [r["loss/train"] for r in steps],
-                lw=0.8, alpha=0.6, label="train loss (worker 0)")
+        ax.plot(
+            [r["step"] for r in steps],
+            [r["loss/train"] for r in steps],
+            lw=0.8,
+            alpha=0.6,
+            label="train loss (worker 0)",
+        )
     if rounds:
-        ax.plot([r["step"] for r in rounds], [r["loss/val"] for r in rounds],
-                "o-", label="validation loss (mean over workers)")
+        ax.plot(
+            [r["step"] for r in rounds],
+            [r["loss/val"] for r in rounds],
+            "o-",
+            label="validation loss (mean over workers)",
+        )
     ax.set_xlabel("inner step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)

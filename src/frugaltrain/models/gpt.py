@@ -1,9 +1,9 @@
 """A small GPT in one file, nanoGPT-style: pre-norm blocks, causal self-attention, GELU MLP.
 
 Sizes span ~0.1M to ~100M parameters by config, e.g. (byte vocabulary, untied head):
-    n_layer=2,  n_embd=64,  n_head=4   ->   0.13M   (tests)
-    n_layer=2,  n_embd=128, n_head=4   ->   0.46M   (default job)
-    n_layer=6,  n_embd=384, n_head=6   ->  10.8M
+    n_layer=2,  n_embd=64,  n_head=4   ->   0.14M   (tests)
+    n_layer=2,  n_embd=128, n_head=4   ->   0.48M   (default job)
+    n_layer=6,  n_embd=384, n_head=6   ->  10.9M
     n_layer=12, n_embd=768, n_head=12  ->  85.4M
 Shapes: B batch, T sequence, C width (n_embd), V vocabulary.
 """

@@ -39,5 +39,3 @@ class DDP:
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-

@@ -35,12 +35,18 @@ def check_data(cfg: Config) -> None:
     """Fail before starting workers if the corpus or any worker's shard cannot serve batches."""
     d = cfg.data
     if cfg.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: byte tokens need at "
-                          "least 256; set model.vocab_size = 256")
+        raise ConfigError(
+            f"model.vocab_size = {cfg.model.vocab_size}: byte tokens need at "
+            "least 256; set model.vocab_size = 256"
+        )
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
     for rank in range(cfg.run.workers):
-        BatchSampler(shard_tokens(corpus.train, rank, cfg.run.workers, d.num_shards, d.sharding),
-                     d.seq_len, d.batch_size, 0)
+        BatchSampler(
+            shard_tokens(corpus.train, rank, cfg.run.workers, d.num_shards, d.sharding),
+            d.seq_len,
+            d.batch_size,
+            0,
+        )
     BatchSampler(corpus.val, d.seq_len, d.batch_size, 0)
 
 
@@ -60,10 +66,20 @@ def _run_process(rank: int, cfg_toml: str, run_dir: str, port: int, resume: str 
 
     cfg = build_config(Config, __import__("tomllib").loads(cfg_toml))
     torch.set_num_threads(_threads(cfg))
-    store = dist.TCPStore("127.0.0.1", port, cfg.run.workers, is_master=False,
-                          timeout=timedelta(seconds=cfg.run.timeout_s))
-    dist.init_process_group(_backend(cfg), store=store, rank=rank, world_size=cfg.run.workers,
-                            timeout=timedelta(seconds=cfg.run.timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        cfg.run.workers,
+        is_master=False,
+        timeout=timedelta(seconds=cfg.run.timeout_s),
+    )
+    dist.init_process_group(
+        _backend(cfg),
+        store=store,
+        rank=rank,
+        world_size=cfg.run.workers,
+        timeout=timedelta(seconds=cfg.run.timeout_s),
+    )
     try:
         train_worker(cfg, TorchDistComm(), Path(run_dir), Path(resume) if resume else None)
     finally:
@@ -77,8 +93,10 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
 
         dist.init_process_group(_backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
         if dist.get_world_size() != cfg.run.workers:
-            raise ConfigError(f"run.workers = {cfg.run.workers} but torchrun started "
-                              f"{dist.get_world_size()} processes; make them equal")
+            raise ConfigError(
+                f"run.workers = {cfg.run.workers} but torchrun started "
+                f"{dist.get_world_size()} processes; make them equal"
+            )
         try:
             train_worker(cfg, TorchDistComm(), run_dir, resume_from)
         finally:
@@ -89,12 +107,20 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         train_worker(cfg, LocalComm(), run_dir, resume_from)
         return
     # N local processes meeting at a store this process hosts on a free port (port 0).
-    store = dist.TCPStore("127.0.0.1", 0, cfg.run.workers, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=cfg.run.timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        cfg.run.workers,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=cfg.run.timeout_s),
+    )
     torch.multiprocessing.start_processes(
         _run_process,
         args=(to_toml(cfg), str(run_dir), store.port, str(resume_from) if resume_from else None),
-        nprocs=cfg.run.workers, start_method="spawn", join=True,
+        nprocs=cfg.run.workers,
+        start_method="spawn",
+        join=True,
     )
     del store
 
@@ -110,8 +136,10 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
         cfg = build_config(Config, read_toml(saved), ["run.stop_at_round=0", *overrides])
         ckpt = checkpoint.latest_complete(run_dir)
         if ckpt is None:
-            raise ConfigError(f"--resume {resume}: no complete checkpoint under "
-                              f"{run_dir / 'checkpoints'}; start a new run instead")
+            raise ConfigError(
+                f"--resume {resume}: no complete checkpoint under "
+                f"{run_dir / 'checkpoints'}; start a new run instead"
+            )
         return cfg, run_dir, ckpt
     cfg = load_config(config_path, overrides)
     check_data(cfg)
@@ -132,5 +160,3 @@ def train_from_cli(config_path: str | None, overrides: list[str], resume: str | 
     if is_rank0:
         report(run_dir)
     return 0
-
-

@@ -38,17 +38,27 @@ class WorkerResult:
 def build_model(cfg: Config) -> GPT:
     m = cfg.model
     torch.manual_seed(cfg.run.seed)  # same init on every worker: DiLoCo needs one shared x
-    return GPT(GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                         vocab_size=m.vocab_size, block_size=cfg.data.seq_len,
-                         dropout=m.dropout, bias=m.bias, tie_embeddings=m.tie_embeddings))
+    return GPT(
+        GPTConfig(
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_embd=m.n_embd,
+            vocab_size=m.vocab_size,
+            block_size=cfg.data.seq_len,
+            dropout=m.dropout,
+            bias=m.bias,
+            tie_embeddings=m.tie_embeddings,
+        )
+    )
 
 
 def build_strategy(cfg: Config, model: torch.nn.Module, comm: Comm):
     o = cfg.outer
     if o.strategy == "ddp":
         return STRATEGIES["ddp"](model, comm, H=o.H)
-    return STRATEGIES[o.strategy](model, comm, H=o.H, lr=o.lr, momentum=o.momentum,
-                                  nesterov=o.nesterov)
+    return STRATEGIES[o.strategy](
+        model, comm, H=o.H, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov
+    )
 
 
 @torch.no_grad()
@@ -73,7 +83,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
     WorkerResult. Call on every worker with the same config."""
     r, d = cfg.run, cfg.data
-    rank, M, H = comm.rank, comm.world_size, cfg.outer.H
+    rank, M = comm.rank, comm.world_size
     is_main = rank == 0
 
     # ---- data: this worker's shard, and fixed validation batches shared by all workers
@@ -101,14 +111,18 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         _set_rng_state(state["rng"])
         step, round_idx = state["step"], state["round"]  # step is also the data cursor
 
-    log = MetricsLog(run_dir / "metrics.jsonl", enabled=is_main,
-                     truncate_after_step=step if resume_from is not None else None)
+    log = MetricsLog(
+        run_dir / "metrics.jsonl",
+        enabled=is_main,
+        truncate_after_step=step if resume_from is not None else None,
+    )
     bar = None
     if is_main and r.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=r.steps, initial=step, desc=f"{cfg.outer.strategy} x{M}", unit="step",
-                   leave=False)
+        bar = tqdm(
+            total=r.steps, initial=step, desc=f"{cfg.outer.strategy} x{M}", unit="step", leave=False
+        )
 
     tokens_per_step = d.batch_size * d.seq_len
     stop_round = r.stop_at_round or None
@@ -153,17 +167,31 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         val_loss = evaluate(model, val_batches) if (due_eval or step == r.steps) else None
 
         delta = comm.stats.minus(stats_at_round_start)
-        mean = comm.metric_mean([round_loss_sum / round_steps, round_compute, delta.blocking_s,
-                                 delta.bytes_sent, delta.bytes_received,
-                                 val_loss if val_loss is not None else 0.0])
+        mean = comm.metric_mean(
+            [
+                round_loss_sum / round_steps,
+                round_compute,
+                delta.blocking_s,
+                delta.bytes_sent,
+                delta.bytes_received,
+                val_loss if val_loss is not None else 0.0,
+            ]
+        )
         record = {
-            "kind": "round", "round": round_idx, "step": step, "strategy": cfg.outer.strategy,
-            "workers": M, "clock": "measured",
+            "kind": "round",
+            "round": round_idx,
+            "step": step,
+            "strategy": cfg.outer.strategy,
+            "workers": M,
+            "clock": "measured",
             "tokens": step * tokens_per_step * M,
-            "loss/train": mean[0], "lr": lr,
-            "time/compute_s": mean[1], "time/blocking_s": mean[2],
+            "loss/train": mean[0],
+            "lr": lr,
+            "time/compute_s": mean[1],
+            "time/blocking_s": mean[2],
             "util/compute": mean[1] / (mean[1] + mean[2]) if mean[1] + mean[2] > 0 else None,
-            "comm/bytes_sent": int(mean[3]), "comm/bytes_received": int(mean[4]),
+            "comm/bytes_sent": int(mean[3]),
+            "comm/bytes_received": int(mean[4]),
             "time/wall_s": time.perf_counter() - t_start,
         }
         if val_loss is not None:
@@ -178,9 +206,13 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         last = step >= r.steps or (stop_round is not None and round_idx >= stop_round)
         if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
             state = {
-                "model": model.state_dict(), "inner": inner.state_dict(),
-                "schedule": schedule.state_dict(), "outer": strategy.state_dict(),
-                "rng": _rng_state(), "step": step, "round": round_idx,
+                "model": model.state_dict(),
+                "inner": inner.state_dict(),
+                "schedule": schedule.state_dict(),
+                "outer": strategy.state_dict(),
+                "rng": _rng_state(),
+                "step": step,
+                "round": round_idx,
             }
             checkpoint.save_worker(run_dir, round_idx, rank, state)
             comm.barrier()

@@ -1,0 +1,73 @@
+"""Shared fixtures: a small text corpus made by the test, and a tiny config builder."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from frugaltrain.config import Config, build_config
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    """~200 KB of pseudo-English in 40 files: enough documents for a split and 4 shards."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = [
+        "the",
+        "worker",
+        "gossip",
+        "round",
+        "mixes",
+        "outer",
+        "inner",
+        "step",
+        "loss",
+        "falls",
+        "slowly",
+        "while",
+        "links",
+        "are",
+        "slow",
+        "and",
+        "cheap",
+        "compute",
+    ]
+    for i in range(40):
+        lines = [" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(400)]
+        (root / f"doc_{i:02d}.txt").write_text("\n".join(lines))
+    return root
+
+
+@pytest.fixture
+def make_config(text_dir: Path, tmp_path: Path):
+    """Build a tiny, fast config over the test corpus; extra `key=value` strings override it."""
+    return lambda *sets: tiny_config(text_dir, tmp_path, *sets)
+
+
+def tiny_config(text_dir: Path, tmp_path: Path, *sets: str) -> Config:
+    base = [
+        f"data.path={str(text_dir)!r}",
+        "data.seq_len=32",
+        "data.batch_size=4",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "run.steps=12",
+        "run.eval_every=6",
+        "run.eval_batches=2",
+        "run.progress=false",
+        f"run.out_dir={str(tmp_path)!r}",
+        "outer.H=6",
+        "optim.warmup_steps=2",
+        "run.timeout_s=60",
+    ]
+    return build_config(Config, {}, base + list(sets))

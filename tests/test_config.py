@@ -1,0 +1,106 @@
+import dataclasses
+
+import pytest
+
+from frugaltrain.config import Config, ConfigError, build_config, load_config, to_toml
+from frugaltrain.data.corpus import load_corpus
+from frugaltrain.train.launch import check_data
+
+
+def test_key_set_is_pinned():
+    # Adding or renaming a config key is a user-visible change: update this list on purpose.
+    keys = {
+        s.name: [f.name for f in dataclasses.fields(getattr(Config(), s.name))]
+        for s in dataclasses.fields(Config)
+    }
+    assert keys == {
+        "run": [
+            "name",
+            "out_dir",
+            "workers",
+            "seed",
+            "steps",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "stop_at_round",
+            "threads",
+            "backend",
+            "device",
+            "timeout_s",
+            "progress",
+        ],
+        "data": [
+            "path",
+            "max_bytes",
+            "val_fraction",
+            "sharding",
+            "num_shards",
+            "seq_len",
+            "batch_size",
+        ],
+        "model": ["n_layer", "n_head", "n_embd", "vocab_size", "dropout", "bias", "tie_embeddings"],
+        "optim": [
+            "name",
+            "lr",
+            "betas",
+            "eps",
+            "weight_decay",
+            "warmup_steps",
+            "min_lr_ratio",
+            "grad_clip",
+        ],
+        "outer": ["strategy", "H", "lr", "momentum", "nesterov"],
+    }
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = build_config(Config, {}, ["outer.H=10", "run.steps=100", "optim.betas=[0.8, 0.9]"])
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, lr, momentum"),
+        (["run.workers=two"], "run.workers = 'two': expected int, got str"),
+        (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
+        (["outer.H=0"], "outer.H = 0: must be at least 1"),
+        (["outer.strategy=fedavg"], "outer.strategy = 'fedavg': choose one of ddp, diloco"),
+        (
+            ["run.workers=4", "data.num_shards=2"],
+            "data.num_shards = 2: fewer shards than run.workers = 4",
+        ),
+        (["run.steps=100", "outer.H=30"], "run.steps = 100: must be a multiple of outer.H = 30"),
+        (["model.n_head=3"], "model.n_head = 3: must divide model.n_embd = 128"),
+        (["optim.betas=[0.9]"], "optim.betas = [0.9]: expected 2 values"),
+        (["run.progress=1"], "run.progress = 1: expected true or false"),
+        (["H=5"], "unknown key H"),
+        (["outer.H"], "expected section.key=value"),
+    ],
+)
+def test_bad_config_is_named(sets, message):
+    with pytest.raises(ConfigError) as e:
+        build_config(Config, {}, sets)
+    assert message in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_missing_and_empty_data_paths(tmp_path):
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        load_corpus(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="contains no readable text"):
+        load_corpus(str(tmp_path / "empty"))
+
+
+def test_shard_too_small_fails_before_work(make_config):
+    cfg = make_config("data.max_bytes=2000", "run.workers=4")
+    with pytest.raises(ConfigError, match="a worker's shard has only"):
+        check_data(cfg)
