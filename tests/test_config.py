@@ -28,6 +28,7 @@ def test_key_set_is_pinned():
             "backend",
             "device",
             "timeout_s",
+            "deterministic_comm",
             "progress",
         ],
         "data": [
@@ -50,7 +51,23 @@ def test_key_set_is_pinned():
             "min_lr_ratio",
             "grad_clip",
         ],
-        "outer": ["strategy", "H", "lr", "momentum", "nesterov"],
+        "outer": [
+            "strategy",
+            "H",
+            "lr",
+            "momentum",
+            "nesterov",
+            "codec",
+            "preset",
+            "mix1",
+            "mix2",
+            "mix2_params",
+            "momentum_policy",
+            "group_size",
+            "fragments",
+            "overlap",
+            "merge_alpha",
+        ],
     }
 
 
@@ -64,7 +81,7 @@ def test_toml_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, lr, momentum"),
+        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, codec, fragments"),
         (["run.workers=two"], "run.workers = 'two': expected int, got str"),
         (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
         (["outer.H=0"], "outer.H = 0: must be at least 1"),

@@ -38,6 +38,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, help="shortcut for --set run.workers=N")
     p.add_argument("--outer", help="shortcut for --set outer.strategy=NAME")
     p.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
+    p.add_argument("-H", type=int, dest="H", help="shortcut for --set outer.H=N")
+    p.add_argument("--preset", help="fgd variant: GlobalM1 or GlobalM1LocalM2 (outer.preset)")
+    p.add_argument("--mix1", help="fgd Mix1 topology (outer.mix1)")
+    p.add_argument("--mix2", help="fgd Mix2 topology (outer.mix2)")
+    p.add_argument("--mix2-params", help="fgd Mix2 tensors, e.g. embed+head+blocks:2")
+    p.add_argument("--momentum-policy", help="fgd outer momentum: local or mixed")
+    p.add_argument("--codec", help="outer traffic encoding: fp32, bf16, int8, e3m0")
     p.add_argument("--name", help="shortcut for --set run.name=NAME")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
 
@@ -49,6 +56,13 @@ def _shortcuts(args: argparse.Namespace) -> list[str]:
         ("outer", "outer.strategy"),
         ("steps", "run.steps"),
         ("name", "run.name"),
+        ("H", "outer.H"),
+        ("preset", "outer.preset"),
+        ("mix1", "outer.mix1"),
+        ("mix2", "outer.mix2"),
+        ("mix2_params", "outer.mix2_params"),
+        ("momentum_policy", "outer.momentum_policy"),
+        ("codec", "outer.codec"),
     ):
         value = getattr(args, flag, None)
         if value is not None:

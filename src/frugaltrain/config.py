@@ -54,6 +54,10 @@ class RunSection:
     """cpu or cuda (worker i uses cuda:i modulo the visible devices)."""
     timeout_s: float = 300.0
     """Timeout of every collective, in seconds."""
+    deterministic_comm: bool = False
+    """Reduce all-reduces as gather + fp64 sum in rank order (bit-identical to the simulator and
+    order-independent) instead of the native ring all-reduce; costs (M-1) S instead of
+    2 (M-1)/M S bytes per worker."""
     progress: bool = True
     """Show a progress bar on worker 0."""
 
@@ -117,7 +121,7 @@ class OptimSection:
 @dataclass(kw_only=True)
 class OuterSection:
     strategy: str = "diloco"
-    """Outer strategy: ddp or diloco."""
+    """Outer strategy: ddp, diloco, fgd (Factored Gossip DiLoCo), noloco or streaming."""
     H: int = 50
     """Inner steps per outer round (for ddp: steps per logged round)."""
     lr: float = 0.7
@@ -126,6 +130,30 @@ class OuterSection:
     """Outer momentum (mu); 0 gives plain outer SGD."""
     nesterov: bool = True
     """Nesterov outer momentum (ignored when momentum is 0)."""
+    codec: str = "fp32"
+    """Encoding of everything the outer step sends: fp32, bf16, int8 or e3m0 (4-bit)."""
+    preset: str = ""
+    """fgd only: a named variant that sets mix1/mix2/mix2_params: GlobalM1 (complete / none) or
+    GlobalM1LocalM2 (complete / pairs on all tensors). Empty: use the keys as given."""
+    mix1: str = "complete"
+    """fgd: topology of the non-blocking parameter mix (complete, ring, pairs, exponential,
+    none)."""
+    mix2: str = "none"
+    """fgd: topology of the blocking pseudo-gradient mix."""
+    mix2_params: str = "all"
+    """fgd: tensors Mix2 covers: all, none, or '+'-joined parts among embed, head, blocks:K (the
+    first K blocks) and fnmatch patterns of parameter names, e.g. embed+head+blocks:2."""
+    momentum_policy: str = "local"
+    """fgd: local (each worker keeps its outer momentum) or mixed (Mix1 also mixes it: the
+    paper's GlobalM1S, reported to spike)."""
+    group_size: int = 2
+    """noloco: workers per random group each round."""
+    fragments: int = 4
+    """streaming: number of parameter fragments P (strided over blocks)."""
+    overlap: int = 1
+    """streaming: inner steps tau between sending a fragment and applying its outer step."""
+    merge_alpha: float = 0.0
+    """streaming: theta <- alpha theta + (1 - alpha) x_new for a synced fragment (0: replace)."""
 
 
 @dataclass(kw_only=True)
@@ -140,7 +168,19 @@ class Config:
         validate(self)
 
 
-STRATEGIES = ("ddp", "diloco")
+STRATEGIES = ("ddp", "diloco", "fgd", "noloco", "streaming")
+TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")
+CODECS = ("fp32", "bf16", "int8", "e3m0")
+FGD_PRESETS = {
+    "GlobalM1": {"mix1": "complete", "mix2": "none", "mix2_params": "all"},
+    "GlobalM1LocalM2": {"mix1": "complete", "mix2": "pairs", "mix2_params": "all"},
+}
+
+
+def fgd_mixing(o: OuterSection) -> dict[str, str]:
+    """mix1, mix2 and mix2_params of an fgd config, with its preset applied."""
+    chosen = {"mix1": o.mix1, "mix2": o.mix2, "mix2_params": o.mix2_params}
+    return {**chosen, **FGD_PRESETS.get(o.preset, {})}
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -216,6 +256,60 @@ def validate(cfg: Config) -> None:
         )
     _require(o.lr > 0, "outer.lr", o.lr, "must be positive")
     _require(0 <= o.momentum < 1, "outer.momentum", o.momentum, "must be in [0, 1)")
+    _require(o.codec in CODECS, "outer.codec", o.codec, f"choose one of {', '.join(CODECS)}")
+    _require(
+        o.preset in ("", *FGD_PRESETS),
+        "outer.preset",
+        o.preset,
+        f"choose one of {', '.join(FGD_PRESETS)} or leave empty",
+    )
+    _require(
+        not o.preset or o.strategy == "fgd",
+        "outer.preset",
+        o.preset,
+        "presets name fgd variants; set outer.strategy = 'fgd' or drop the preset",
+    )
+    defaults = OuterSection()
+    for key, value in FGD_PRESETS.get(o.preset, {}).items():
+        _require(
+            getattr(o, key) in (value, getattr(defaults, key)),
+            f"outer.{key}",
+            getattr(o, key),
+            f"conflicts with outer.preset = {o.preset!r} (which sets {value!r}); drop one",
+        )
+    for key in ("mix1", "mix2"):
+        value = getattr(o, key)
+        _require(
+            value in TOPOLOGIES, f"outer.{key}", value, f"choose one of {', '.join(TOPOLOGIES)}"
+        )
+    _require(
+        o.momentum_policy in ("local", "mixed"),
+        "outer.momentum_policy",
+        o.momentum_policy,
+        "choose local or mixed",
+    )
+    _require(o.group_size >= 2, "outer.group_size", o.group_size, "must be at least 2")
+    _require(0 <= o.merge_alpha <= 1, "outer.merge_alpha", o.merge_alpha, "must be in [0, 1]")
+    if o.strategy == "streaming":
+        _require(o.fragments >= 1, "outer.fragments", o.fragments, "must be at least 1")
+        _require(
+            o.fragments <= m.n_layer,
+            "outer.fragments",
+            o.fragments,
+            f"cannot exceed model.n_layer = {m.n_layer} (fragments are groups of blocks)",
+        )
+        _require(
+            0 <= o.overlap < o.H,
+            "outer.overlap",
+            o.overlap,
+            f"must be in [0, outer.H = {o.H}) so a fragment lands before it is due again",
+        )
+        _require(
+            o.H % o.fragments == 0,
+            "outer.fragments",
+            o.fragments,
+            f"must divide outer.H = {o.H} so fragments fire at offsets k H / P",
+        )
 
 
 # ---------------------------------------------------------------- loading

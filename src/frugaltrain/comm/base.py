@@ -1,13 +1,16 @@
 """The communication interface every outer strategy is written against.
 
-A strategy sees one worker's view: its rank, the world size, and collective operations on lists
-of tensors that may be started asynchronously and waited on later. Two runtimes implement it:
+A strategy sees one worker's view: its rank, the live members, and operations on lists of tensors
+that may be started asynchronously and waited on later: `all_reduce_mean_` (exact average) and
+`mix_` (gossip with a doubly stochastic matrix from comm.topology, optionally compressed with a
+codec from comm.compress). Two runtimes implement it:
 `LocalComm` (one worker: every operation is the identity, nothing is sent) and `TorchDistComm`
 (torch.distributed); the simulator implements the same methods on a virtual clock.
 
 Accounting lives here so every strategy reports it the same way:
 - `bytes_sent` / `bytes_received` per worker, from the algorithm's traffic model (ring all-reduce
-  sends and receives 2(M-1)/M * S for a payload of S bytes); point-to-point ops count exactly.
+  sends and receives 2(M-1)/M * S for a payload of S bytes); gathers and point-to-point
+  exchanges count the encoded bytes of every copy sent or received.
 - `blocking_s`: wall-clock seconds the worker spent inside `Handle.wait()`, i.e. blocked.
 """
 
@@ -17,7 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from frugaltrain.comm import compress, topology
 
 
 @dataclass
@@ -73,27 +79,129 @@ def payload_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat fp32 copy of `tensors` (the unit every mixing operation sends)."""
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def weighted_sum(weights: list[float], flats: list[torch.Tensor]) -> torch.Tensor:
+    """sum_j w_j x_j accumulated in float64 in the given (rank) order, rounded once to fp32.
+
+    Both runtimes reduce through this one function, which makes a mix of identical inputs return
+    them unchanged and makes real and simulated runs agree bit for bit."""
+    acc = torch.zeros_like(flats[0], dtype=torch.float64)
+    for w, x in zip(weights, flats, strict=True):
+        acc.add_(x.double(), alpha=float(w))
+    return acc.float()
+
+
 class Comm:
-    """One worker's communication endpoint. Subclasses implement `_all_reduce_sum`."""
+    """One worker's communication endpoint.
+
+    Subclasses implement the runtime hooks at the bottom. `members` is the ordered list of ranks
+    taking part (all of them unless the fault-tolerance layer shrinks it); mixing matrices are
+    indexed by position in `members`.
+
+    deterministic: reduce every all-reduce as a gather plus `weighted_sum` (order-independent,
+    bit-identical to the simulator) instead of the runtime's native ring all-reduce; it moves
+    (M-1) S instead of 2 (M-1)/M S bytes per worker, and is counted as such.
+    """
 
     rank: int = 0
     world_size: int = 1
 
-    def __init__(self) -> None:
+    def __init__(self, *, deterministic: bool = False) -> None:
         self.stats = CommStats()
+        self.deterministic = deterministic
+        self.members: list[int] = []
+        self._op_seq = 0
 
-    def all_reduce_mean_(self, tensors: list[torch.Tensor], *, blocking: bool = True) -> Handle:
-        """Average `tensors` in place across all workers. With blocking=False the caller must
-        `wait()` the handle before reading them."""
-        if self.world_size == 1 or not tensors:
+    @property
+    def position(self) -> int:
+        """This worker's index in `members` (its row of a mixing matrix)."""
+        return self.members.index(self.rank)
+
+    def all_reduce_mean_(
+        self, tensors: list[torch.Tensor], *, blocking: bool = True, codec: str = "fp32"
+    ) -> Handle:
+        """Average `tensors` in place across `members`. With blocking=False the caller must
+        `wait()` the handle before reading them. A codec other than fp32 gathers the encoded
+        payloads (a quantized sum is not associative) and reduces in fp64."""
+        n = len(self.members)
+        if n == 1 or not tensors:
             return Handle(self.stats)
-        nbytes = ring_allreduce_bytes(payload_bytes(tensors), self.world_size)
-        self.stats.bytes_sent += nbytes
-        self.stats.bytes_received += nbytes
-        handle = self._all_reduce_sum(tensors, scale=1.0 / self.world_size)
+        if codec == "fp32" and not self.deterministic:
+            nbytes = ring_allreduce_bytes(payload_bytes(tensors), n)
+            self.stats.bytes_sent += nbytes
+            self.stats.bytes_received += nbytes
+            handle = self._all_reduce_sum(tensors, scale=1.0 / n)
+        else:
+            handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec)
         if blocking:
             handle.wait()
         return handle
+
+    def mix_(
+        self,
+        tensors: list[torch.Tensor],
+        w: np.ndarray,
+        *,
+        codec: str = "fp32",
+        blocking: bool = True,
+    ) -> Handle:
+        """Gossip: replace `tensors` by sum_j w[me, j] x_j over `members` (in place, on wait).
+
+        Every worker must call with the same doubly stochastic `w` (see comm.topology). A
+        complete `w` is an all-reduce; otherwise each worker sends its (encoded) tensors to
+        the members in its column and receives from those in its row. Own values are exact."""
+        n = len(self.members)
+        if w.shape != (n, n):
+            raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
+        if n == 1 or not tensors or np.array_equal(w, np.eye(n)):
+            return Handle(self.stats)
+        if np.allclose(w, 1.0 / n):
+            return self.all_reduce_mean_(tensors, blocking=blocking, codec=codec)
+        handle = self._mix(tensors, w, codec)
+        if blocking:
+            handle.wait()
+        return handle
+
+    def _mix(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
+        me = self.position
+        send_to, recv_from = topology.peers(w, me)
+        complete = len(send_to) == len(self.members) - 1 == len(recv_from)
+        flat = flatten(tensors)
+        wire = compress.wire_bytes(flat.numel(), codec)
+        self.stats.bytes_sent += wire * len(send_to)
+        self.stats.bytes_received += wire * len(recv_from)
+        seq = self._op_seq
+        self._op_seq += 1
+        parts = compress.encode(flat, codec)
+        if complete:
+            fetch = self._all_gather(parts, seq)
+        else:
+            fetch = self._exchange(
+                parts, [self.members[j] for j in send_to], [self.members[j] for j in recv_from], seq
+            )
+
+        def finish() -> None:
+            received = fetch.wait_all()  # rank -> encoded parts
+            order = [j for j in range(len(self.members)) if j == me or j in recv_from]
+            flats = [
+                flat if j == me else compress.decode(received[self.members[j]], codec, flat.numel())
+                for j in order
+            ]
+            unflatten_into(weighted_sum([w[me, j] for j in order], flats), tensors)
+
+        return Handle(self.stats, finish, fetch.is_completed)
 
     def metric_mean(self, values: list[float]) -> list[float]:
         """Mean of a few logging scalars over workers. Not counted as algorithm traffic."""
@@ -101,7 +209,7 @@ class Comm:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         self._metric_sum(t)
-        return (t / self.world_size).tolist()
+        return (t / len(self.members)).tolist()
 
     def metric_max(self, values: list[float]) -> list[float]:
         """Max of a few logging scalars over workers. Not counted as algorithm traffic."""
@@ -111,11 +219,30 @@ class Comm:
         self._metric_max(t)
         return t.tolist()
 
+    def metric_mean_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Mean of `tensors` over workers, for diagnostics (consensus distance, the averaged
+        model); returns new fp32 tensors and is not counted as algorithm traffic."""
+        flat = flatten(tensors).double()
+        if self.world_size > 1:
+            self._metric_sum(flat)
+            flat /= len(self.members)
+        out = [torch.empty_like(t, dtype=torch.float32) for t in tensors]
+        unflatten_into(flat.float(), out)
+        return out
+
     def barrier(self) -> None:
         pass
 
     # Runtime-specific parts.
     def _all_reduce_sum(self, tensors: list[torch.Tensor], scale: float) -> Handle:
+        raise NotImplementedError
+
+    def _all_gather(self, parts: list[torch.Tensor], seq: int) -> Exchange:
+        raise NotImplementedError
+
+    def _exchange(
+        self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int
+    ) -> Exchange:
         raise NotImplementedError
 
     def _metric_sum(self, t: torch.Tensor) -> None:
@@ -125,5 +252,21 @@ class Comm:
         raise NotImplementedError
 
 
+class Exchange:
+    """Point-to-point or gather traffic in flight: `wait_all()` returns {rank: received parts}."""
+
+    def __init__(
+        self,
+        wait_all: Callable[[], dict[int, list[torch.Tensor]]],
+        is_completed: Callable[[], bool],
+    ) -> None:
+        self.wait_all = wait_all
+        self.is_completed = is_completed
+
+
 class LocalComm(Comm):
     """A world of one: every collective is the identity and moves no bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.members = [0]

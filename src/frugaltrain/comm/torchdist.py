@@ -1,9 +1,10 @@
 """`Comm` over torch.distributed: gloo on CPU, NCCL on GPU.
 
-Tensors are flattened into one buffer per call so a round costs one collective, not one per
-parameter. Asynchronous calls return a handle whose `wait()` unflattens into the caller's tensors.
-Every collective uses the process group's timeout (run.timeout_s), so a dead peer raises instead
-of hanging.
+All-reduces flatten tensors into one buffer per call so a round costs one collective, not one per
+parameter. Gossip exchanges use isend/irecv of the encoded payload, tagged by an operation
+counter that every worker advances in the same order, so a non-blocking Mix1 and a blocking Mix2
+between the same pair of workers never mix up their messages. Every operation uses the process
+group's timeout (run.timeout_s), so a dead peer raises instead of hanging.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from frugaltrain.comm.base import Comm, Handle
+from frugaltrain.comm.base import Comm, Exchange, Handle
+
+_PARTS = 4  # tag space per operation: one tag per encoded part
 
 
 class TorchDistComm(Comm):
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
+    def __init__(self, group: dist.ProcessGroup | None = None, *, deterministic: bool = False):
+        super().__init__(deterministic=deterministic)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.members = list(range(self.world_size))
 
     def _all_reduce_sum(self, tensors: list[torch.Tensor], scale: float) -> Handle:
         flat = _flatten_dense_tensors(tensors)
@@ -33,6 +37,41 @@ class TorchDistComm(Comm):
                 t.copy_(r)
 
         return Handle(self.stats, finish, work.is_completed)
+
+    def _all_gather(self, parts: list[torch.Tensor], seq: int) -> Exchange:
+        n = len(self.members)
+        buffers = [[torch.empty_like(p) for _ in range(n)] for p in parts]
+        works = [
+            dist.all_gather(buf, p.contiguous(), group=self.group, async_op=True)
+            for buf, p in zip(buffers, parts, strict=True)
+        ]
+
+        def wait_all() -> dict[int, list[torch.Tensor]]:
+            for w in works:
+                w.wait()
+            return {rank: [buf[i] for buf in buffers] for i, rank in enumerate(self.members)}
+
+        return Exchange(wait_all, lambda: all(w.is_completed() for w in works))
+
+    def _exchange(
+        self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int
+    ) -> Exchange:
+        tag = (seq % (1 << 20)) * _PARTS
+        works = []
+        for peer in send_to:
+            for k, p in enumerate(parts):
+                works.append(dist.isend(p.contiguous(), peer, group=self.group, tag=tag + k))
+        received = {peer: [torch.empty_like(p) for p in parts] for peer in recv_from}
+        for peer in recv_from:
+            for k, buf in enumerate(received[peer]):
+                works.append(dist.irecv(buf, peer, group=self.group, tag=tag + k))
+
+        def wait_all() -> dict[int, list[torch.Tensor]]:
+            for w in works:
+                w.wait()
+            return received
+
+        return Exchange(wait_all, lambda: all(w.is_completed() for w in works))
 
     def _metric_sum(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self.group)

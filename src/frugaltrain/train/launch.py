@@ -81,7 +81,12 @@ def _run_process(rank: int, cfg_toml: str, run_dir: str, port: int, resume: str 
         timeout=timedelta(seconds=cfg.run.timeout_s),
     )
     try:
-        train_worker(cfg, TorchDistComm(), Path(run_dir), Path(resume) if resume else None)
+        train_worker(
+            cfg,
+            TorchDistComm(deterministic=cfg.run.deterministic_comm),
+            Path(run_dir),
+            Path(resume) if resume else None,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -98,7 +103,9 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
                 f"{dist.get_world_size()} processes; make them equal"
             )
         try:
-            train_worker(cfg, TorchDistComm(), run_dir, resume_from)
+            train_worker(
+                cfg, TorchDistComm(deterministic=cfg.run.deterministic_comm), run_dir, resume_from
+            )
         finally:
             dist.destroy_process_group()
         return

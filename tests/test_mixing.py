@@ -1,0 +1,170 @@
+"""Mixing topologies, codecs and the gossip operations of the comm on real gloo processes."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from frugaltrain.comm import compress, topology
+from frugaltrain.comm.base import weighted_sum
+from frugaltrain.comm.torchdist import TorchDistComm
+
+
+@pytest.mark.parametrize("name", topology.TOPOLOGIES)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])
+def test_matrices_are_doubly_stochastic(name, n):
+    for t in range(5):
+        w = topology.mixing_matrix(name, n, t, seed=3)
+        assert (w >= 0).all()
+        np.testing.assert_allclose(w.sum(0), 1, atol=1e-12)
+        np.testing.assert_allclose(w.sum(1), 1, atol=1e-12)
+
+
+def test_pairs_are_reseeded_and_agree():
+    a = [topology.mixing_matrix("pairs", 8, t, seed=1) for t in range(4)]
+    b = [topology.mixing_matrix("pairs", 8, t, seed=1) for t in range(4)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))  # same on every worker
+    assert not all(np.array_equal(a[0], x) for x in a[1:])  # but a new draw each round
+
+
+def test_exponential_reaches_the_exact_average_in_log2_rounds():
+    n = 8
+    x = np.random.default_rng(0).normal(size=(n, 5))
+    for t in range(3):
+        x = topology.mixing_matrix("exponential", n, t) @ x
+    np.testing.assert_allclose(x, np.broadcast_to(x.mean(0), x.shape), atol=1e-12)
+
+
+def test_contraction_factors():
+    assert topology.contraction_factor("complete", 8).rho == 0
+    assert topology.contraction_factor("none", 8).rho == 1
+    ring = topology.contraction_factor("ring", 8)
+    assert ring.how == "analytic"
+    assert ring.rho == pytest.approx(((1 + 2 * math.cos(2 * math.pi / 8)) / 3) ** 2)
+    # The analytic ring value agrees with the measured definition.
+    w = topology.mixing_matrix("ring", 8)
+    c = np.eye(8) - 1 / 8
+    assert ring.rho == pytest.approx(np.linalg.eigvalsh(c @ w.T @ c @ w @ c).max())
+    pairs = topology.contraction_factor("pairs", 16, draws=2000)
+    assert pairs.rho == pytest.approx(0.5 * (1 - 1 / 15), abs=0.03)  # research note a.7
+    # Empirical contraction of random vectors never beats rho by more than noise.
+    x = np.random.default_rng(1).normal(size=(16, 200))
+    xc = x - x.mean(0)
+    ratios = []
+    for t in range(200):
+        y = topology.mixing_matrix("pairs", 16, t) @ x
+        ratios.append(((y - y.mean(0)) ** 2).sum() / (xc**2).sum())
+    assert np.mean(ratios) <= pairs.rho + 0.02
+
+
+@pytest.mark.parametrize("codec", compress.CODECS)
+def test_codec_roundtrip_and_bytes(codec):
+    x = torch.randn(1000) * torch.logspace(-3, 1, 1000)
+    parts = compress.encode(x, codec)
+    assert sum(p.numel() * p.element_size() for p in parts) == compress.wire_bytes(1000, codec)
+    y = compress.decode(parts, codec, 1000)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    rel = {"fp32": 0, "bf16": 2**-8, "int8": 1 / 254, "e3m0": 1 / 3}[codec]
+    blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, compress.BLOCK).abs().amax(1)
+    bound = rel * (
+        blocks.repeat_interleave(compress.BLOCK)[:1000] if codec in ("int8", "e3m0") else x.abs()
+    )
+    assert ((y - x).abs() <= bound + 1e-12).all()
+
+
+def test_e3m0_keeps_sign_and_zero():
+    x = torch.tensor([0.0, 1.0, -1.0, 0.5, -0.25, 1e-9])
+    y = compress.roundtrip(x, "e3m0")
+    assert y[0] == 0 and y[5] == 0
+    assert torch.equal(torch.sign(y[1:5]), torch.sign(x[1:5]))
+    assert torch.equal(y[1:5], x[1:5])  # powers of two of the block scale are exact
+
+
+def test_weighted_sum_of_identical_inputs_is_exact():
+    x = torch.randn(10_000)
+    for n in (3, 4, 7):
+        assert torch.equal(weighted_sum([1 / n] * n, [x] * n), x)
+
+
+# ---------------------------------------------------------------- real gloo processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, cases, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        results = []
+        for name, codec, blocking, deterministic in cases:
+            comm = TorchDistComm(deterministic=deterministic)
+            x = [
+                torch.full((3, 5), float(rank + 1)) + torch.arange(15.0).view(3, 5) * 0.01,
+                torch.randn(300, generator=torch.Generator().manual_seed(rank)),
+            ]
+            w = topology.mixing_matrix(name, world, round_idx=1, seed=7)
+            h = comm.mix_(x, w, codec=codec, blocking=blocking)
+            h.wait()
+            results.append(
+                ([t.clone() for t in x], comm.stats.bytes_sent, comm.stats.bytes_received)
+            )
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [
+    ("complete", "fp32", True, False),
+    ("complete", "fp32", True, True),
+    ("complete", "int8", False, False),
+    ("ring", "fp32", False, False),
+    ("ring", "bf16", True, False),
+    ("pairs", "fp32", True, False),
+    ("exponential", "e3m0", False, False),
+    ("none", "fp32", True, False),
+]
+
+
+def test_gossip_on_gloo_matches_w_times_x():
+    world = 4
+    out = mp.Manager().dict()
+    mp.start_processes(
+        _worker, args=(world, _free_port(), CASES, out), nprocs=world, start_method="spawn"
+    )
+    for c, (name, codec, _, deterministic) in enumerate(CASES):
+        w = topology.mixing_matrix(name, world, round_idx=1, seed=7)
+        inputs = [
+            [
+                torch.full((3, 5), float(r + 1)) + torch.arange(15.0).view(3, 5) * 0.01,
+                torch.randn(300, generator=torch.Generator().manual_seed(r)),
+            ]
+            for r in range(world)
+        ]
+        flats = [torch.cat([t.flatten() for t in xs]) for xs in inputs]
+        for r in range(world):
+            got, sent, received = out[r][c]
+            seen = [f if j == r else compress.roundtrip(f, codec) for j, f in enumerate(flats)]
+            want = (torch.tensor(w[r]) @ torch.stack(seen).double()).float()
+            torch.testing.assert_close(
+                torch.cat([g.flatten() for g in got]), want, rtol=1e-6, atol=1e-6
+            )
+            payload = compress.wire_bytes(315, codec)
+            if name == "none":
+                assert sent == received == 0
+            elif name == "complete" and codec == "fp32" and not deterministic:
+                assert sent == received == 2 * 3 * 315 * 4 // 4  # ring all-reduce model
+            else:
+                send_to, recv_from = topology.peers(w, r)
+                assert (sent, received) == (payload * len(send_to), payload * len(recv_from))
