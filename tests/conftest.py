@@ -53,6 +53,12 @@ def make_config(text_dir: Path, tmp_path: Path):
     return lambda *sets: tiny_config(text_dir, tmp_path, *sets)
 
 
+@pytest.fixture(scope="session")
+def config_factory(text_dir: Path):
+    """Like make_config, for module-scoped fixtures: config_factory(out_dir, *sets)."""
+    return lambda out_dir, *sets: tiny_config(text_dir, out_dir, *sets)
+
+
 def tiny_config(text_dir: Path, tmp_path: Path, *sets: str) -> Config:
     base = [
         f"data.path={str(text_dir)!r}",

@@ -64,6 +64,7 @@ def test_key_set_is_pinned():
             "mix2_params",
             "momentum_policy",
             "group_size",
+            "consensus_pull",
             "fragments",
             "overlap",
             "merge_alpha",

@@ -148,6 +148,8 @@ class OuterSection:
     paper's GlobalM1S, reported to spike)."""
     group_size: int = 2
     """noloco: workers per random group each round."""
+    consensus_pull: float = 0.7
+    """noloco: gamma, the pull towards the group's mean parameters (public code: = outer lr)."""
     fragments: int = 4
     """streaming: number of parameter fragments P (strided over blocks)."""
     overlap: int = 1
@@ -289,6 +291,7 @@ def validate(cfg: Config) -> None:
         "choose local or mixed",
     )
     _require(o.group_size >= 2, "outer.group_size", o.group_size, "must be at least 2")
+    _require(o.consensus_pull >= 0, "outer.consensus_pull", o.consensus_pull, "must be >= 0")
     _require(0 <= o.merge_alpha <= 1, "outer.merge_alpha", o.merge_alpha, "must be in [0, 1]")
     if o.strategy == "streaming":
         _require(o.fragments >= 1, "outer.fragments", o.fragments, "must be at least 1")
@@ -299,10 +302,11 @@ def validate(cfg: Config) -> None:
             f"cannot exceed model.n_layer = {m.n_layer} (fragments are groups of blocks)",
         )
         _require(
-            0 <= o.overlap < o.H,
+            0 <= o.overlap < o.H // o.fragments,
             "outer.overlap",
             o.overlap,
-            f"must be in [0, outer.H = {o.H}) so a fragment lands before it is due again",
+            f"must be in [0, outer.H / outer.fragments = {o.H // o.fragments}) so a fragment "
+            "is sent inside its own slot of the round",
         )
         _require(
             o.H % o.fragments == 0,

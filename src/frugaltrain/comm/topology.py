@@ -109,3 +109,14 @@ def messages_per_worker(topology: str, n: int) -> float:
     if topology == "complete":
         return 2 * (n - 1) / n
     raise ValueError(f"unknown topology {topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+
+
+def groups_matrix(n: int, size: int, round_idx: int, seed: int = 0) -> np.ndarray:
+    """NoLoCo's mixing: a seeded random partition into groups of `size` (the last group takes the
+    remainder), each averaged exactly; redrawn every round, identical on every worker."""
+    order = np.random.default_rng([seed, round_idx, 0x90C0]).permutation(n)
+    w = np.zeros((n, n))
+    for start in range(0, n, size):
+        group = order[start : start + size]
+        w[np.ix_(group, group)] = 1.0 / len(group)
+    return w

@@ -25,6 +25,9 @@ class DDP:
         self.comm = comm
         self.H = H
 
+    def before_step(self, step: int) -> None:
+        pass
+
     def sync_grads(self) -> None:
         """Call after backward, before the inner optimizer step, on every worker."""
         grads = [p.grad for p in self.params if p.grad is not None]

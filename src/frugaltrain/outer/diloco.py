@@ -50,6 +50,9 @@ class DiLoCo:
         self.outer = [p.detach().clone() for p in self.params]  # x
         self.opt = outer_sgd(self.outer, lr, momentum, nesterov)
 
+    def before_step(self, step: int) -> None:
+        pass
+
     def sync_grads(self) -> None:
         pass
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from frugaltrain.comm import Comm
-from frugaltrain.config import Config
+from frugaltrain.config import Config, fgd_mixing
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.models.gpt import GPT, GPTConfig
@@ -53,11 +53,44 @@ def build_model(cfg: Config) -> GPT:
 
 
 def build_strategy(cfg: Config, model: torch.nn.Module, comm: Comm):
+    """The outer strategy of `cfg` for this worker (outer/__init__.py lists the interface)."""
     o = cfg.outer
+    cls = STRATEGIES[o.strategy]
     if o.strategy == "ddp":
-        return STRATEGIES["ddp"](model, comm, H=o.H)
-    return STRATEGIES[o.strategy](
-        model, comm, H=o.H, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov
+        return cls(model, comm, H=o.H)
+    outer_opt = {"H": o.H, "lr": o.lr, "momentum": o.momentum}
+    if o.strategy == "diloco":
+        return cls(model, comm, nesterov=o.nesterov, **outer_opt)
+    if o.strategy == "fgd":
+        return cls(
+            model,
+            comm,
+            nesterov=o.nesterov,
+            momentum_policy=o.momentum_policy,
+            codec=o.codec,
+            seed=cfg.run.seed,
+            **fgd_mixing(o),
+            **outer_opt,
+        )
+    if o.strategy == "noloco":
+        return cls(
+            model,
+            comm,
+            consensus_pull=o.consensus_pull,
+            group_size=o.group_size,
+            codec=o.codec,
+            seed=cfg.run.seed,
+            **outer_opt,
+        )
+    return cls(
+        model,
+        comm,
+        nesterov=o.nesterov,
+        fragments=o.fragments,
+        overlap=o.overlap,
+        merge_alpha=o.merge_alpha,
+        codec=o.codec,
+        **outer_opt,
     )
 
 
@@ -135,6 +168,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         # ---- one inner step (compute), with the gradient sync of DDP counted as blocking
         t0 = time.perf_counter()
         blocked0 = comm.stats.blocking_s
+        strategy.before_step(step)
         x, y = sampler.batch(step)
         _, loss = model(x, y)
         if not torch.isfinite(loss):
