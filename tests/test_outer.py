@@ -242,3 +242,25 @@ def test_fgd_mean_follows_diloco_recursion(gloo_runs):
             torch.testing.assert_close(mean("x_next", k), x_next, rtol=1e-5, atol=1e-6)
         if t > 0:
             assert not torch.equal(per[0]["x"][0], per[1]["x"][0])  # the test is not trivial
+
+
+def test_consensus_metrics_match_brute_force(gloo_runs, tmp_path_factory):
+    from frugaltrain.metrics.log import read_metrics
+
+    def last_round(name):
+        run_dir = next(tmp_path_factory.getbasetemp().glob(f"outer*/{name}"))
+        return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "round"][-1]
+
+    exact = last_round("diloco")
+    assert exact["consensus/total"] == 0 and exact["disagreement/logit_js"] == 0
+    gossip = last_round("fgd-full")
+    finals = [gloo_runs[r]["fgd-full"][0] for r in range(WORLD)]
+    mean = [torch.stack([f[k].double() for f in finals]).mean(0) for k in range(len(finals[0]))]
+    brute = (
+        sum((f[k].double() - mean[k]).pow(2).sum().item() for f in finals for k in range(len(mean)))
+        / WORLD
+    )
+    assert gossip["consensus/total"] == pytest.approx(brute, rel=1e-4)
+    groups = sum(gossip[f"consensus/{g}"] for g in ("embed", "blocks", "head", "other"))
+    assert groups == pytest.approx(gossip["consensus/total"], rel=1e-9)
+    assert 0 < gossip["disagreement/logit_js"] < 0.6931

@@ -211,6 +211,21 @@ class Comm:
         self._metric_sum(t)
         return (t / len(self.members)).tolist()
 
+    def metric_mean_async(self, values: list[float]) -> Callable[[], list[float]]:
+        """Start `metric_mean` without waiting; call the result to get the means. Lets the loop
+        log round t while round t + 1 runs, so logging adds no synchronization point."""
+        if self.world_size == 1:
+            return lambda: list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        wait = self._metric_sum_async(t)
+        n = len(self.members)
+
+        def result() -> list[float]:
+            wait()
+            return (t / n).tolist()
+
+        return result
+
     def metric_max(self, values: list[float]) -> list[float]:
         """Max of a few logging scalars over workers. Not counted as algorithm traffic."""
         if self.world_size == 1:
@@ -250,6 +265,11 @@ class Comm:
 
     def _metric_max(self, t: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _metric_sum_async(self, t: torch.Tensor) -> Callable[[], None]:
+        """Runtimes with asynchronous collectives override this; the default is synchronous."""
+        self._metric_sum(t)
+        return lambda: None
 
 
 class Exchange:

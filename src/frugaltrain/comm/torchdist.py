@@ -76,6 +76,10 @@ class TorchDistComm(Comm):
     def _metric_sum(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self.group)
 
+    def _metric_sum_async(self, t: torch.Tensor):
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        return work.wait
+
     def _metric_max(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 

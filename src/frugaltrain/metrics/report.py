@@ -34,6 +34,10 @@ def summarize(records: list[dict]) -> dict:
         "comm/bytes_received": sum(r["comm/bytes_received"] for r in rounds),
         "time/wall_s": last.get("time/wall_s"),
     }
+    evals = [r for r in rounds if "consensus/total" in r]
+    if evals:
+        out["consensus/total_last"] = evals[-1]["consensus/total"]
+        out["disagreement/logit_js_last"] = evals[-1]["disagreement/logit_js"]
     for key in ("energy/joules", "energy/label", "flops/train"):
         if key in last:
             out[key] = last[key]
@@ -66,6 +70,9 @@ def format_summary(summary: dict) -> str:
         ("bytes received per worker (model-counted)", _fmt(summary["comm/bytes_received"])),
         (f"wall s ({clock})", _fmt(summary["time/wall_s"])),
     ]
+    if "consensus/total_last" in summary:
+        rows.append(("consensus distance (last eval)", _fmt(summary["consensus/total_last"])))
+        rows.append(("logit JS vs averaged model", _fmt(summary["disagreement/logit_js_last"])))
     if "energy/joules" in summary:
         rows.append((f"energy J ({summary.get('energy/label')})", _fmt(summary["energy/joules"])))
     if "flops/train" in summary:

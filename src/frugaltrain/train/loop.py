@@ -20,6 +20,7 @@ import torch
 from frugaltrain.comm import Comm
 from frugaltrain.config import Config, fgd_mixing
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
+from frugaltrain.metrics.consensus import disagreement
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.models.gpt import GPT, GPTConfig
 from frugaltrain.outer import STRATEGIES
@@ -163,6 +164,32 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     t_start = time.perf_counter()
     round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
     stats_at_round_start = comm.stats.copy()
+    pending = None
+
+    def emit_round(pending: tuple | None) -> None:
+        """Complete a round record with the workers' means and write it."""
+        if pending is None:
+            return None
+        record, means, has_val = pending
+        mean = means()
+        compute, blocking = mean[1], mean[2]
+        record.update(
+            {
+                "loss/train": mean[0],
+                "time/compute_s": compute,
+                "time/blocking_s": blocking,
+                "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
+                "comm/bytes_sent": int(mean[3]),
+                "comm/bytes_received": int(mean[4]),
+            }
+        )
+        if has_val:
+            record["loss/val"] = mean[5]
+            if bar is not None:
+                bar.set_postfix(val=f"{mean[5]:.3f}")
+        log.write(record)
+        log.flush()
+        return None
 
     while step < r.steps:
         # ---- one inner step (compute), with the gradient sync of DDP counted as blocking
@@ -198,10 +225,28 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
             continue
         round_idx += 1
         due_eval = r.eval_every and (step // r.eval_every > (step - round_steps) // r.eval_every)
-        val_loss = evaluate(model, val_batches) if (due_eval or step == r.steps) else None
-
+        record = {
+            "kind": "round",
+            "round": round_idx,
+            "step": step,
+            "strategy": cfg.outer.strategy,
+            "workers": M,
+            "clock": "measured",
+            "tokens": step * tokens_per_step * M,
+            "lr": lr,
+            "time/wall_s": time.perf_counter() - t_start,
+        }
+        val_loss = None
+        if due_eval or step == r.steps:
+            # Evaluation rounds synchronize (the diagnostics need every worker's parameters);
+            # their time is reported apart and is neither compute nor algorithm blocking.
+            t_eval = time.perf_counter()
+            val_loss = evaluate(model, val_batches)
+            if M > 1:
+                record.update(disagreement(model, comm, val_batches[0][0]))
+            record["time/eval_s"] = time.perf_counter() - t_eval
         delta = comm.stats.minus(stats_at_round_start)
-        mean = comm.metric_mean(
+        means = comm.metric_mean_async(
             [
                 round_loss_sum / round_steps,
                 round_compute,
@@ -211,34 +256,16 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
                 val_loss if val_loss is not None else 0.0,
             ]
         )
-        record = {
-            "kind": "round",
-            "round": round_idx,
-            "step": step,
-            "strategy": cfg.outer.strategy,
-            "workers": M,
-            "clock": "measured",
-            "tokens": step * tokens_per_step * M,
-            "loss/train": mean[0],
-            "lr": lr,
-            "time/compute_s": mean[1],
-            "time/blocking_s": mean[2],
-            "util/compute": mean[1] / (mean[1] + mean[2]) if mean[1] + mean[2] > 0 else None,
-            "comm/bytes_sent": int(mean[3]),
-            "comm/bytes_received": int(mean[4]),
-            "time/wall_s": time.perf_counter() - t_start,
-        }
-        if val_loss is not None:
-            record["loss/val"] = mean[5]
-            if bar is not None:
-                bar.set_postfix(val=f"{mean[5]:.3f}")
-        log.write(record)
-        log.flush()
+        # Scalars of round t are logged once round t + 1 has started (or at a checkpoint or the
+        # end), so logging never makes a worker wait for the others.
+        emit_round(pending)
+        pending = (record, means, val_loss is not None)
         round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
         stats_at_round_start = comm.stats.copy()
 
         last = step >= r.steps or (stop_round is not None and round_idx >= stop_round)
         if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
+            pending = emit_round(pending)
             state = {
                 "model": model.state_dict(),
                 "inner": inner.state_dict(),
@@ -255,6 +282,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         if stop_round is not None and round_idx >= stop_round:
             break
 
+    emit_round(pending)
     if bar is not None:
         bar.close()
     log.close()
