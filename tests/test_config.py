@@ -82,7 +82,7 @@ def test_toml_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, codec, fragments"),
+        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, codec, consensus_pull"),
         (["run.workers=two"], "run.workers = 'two': expected int, got str"),
         (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
         (["outer.H=0"], "outer.H = 0: must be at least 1"),
@@ -122,3 +122,13 @@ def test_shard_too_small_fails_before_work(make_config):
     cfg = make_config("data.max_bytes=2000", "run.workers=4")
     with pytest.raises(ConfigError, match="a worker's shard has only"):
         check_data(cfg)
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    train_configs = [p for p in examples.glob("*.toml") if p.name != "flow.toml"]
+    assert len(train_configs) >= 9
+    strategies = {load_config(p).outer.strategy for p in train_configs}
+    assert strategies == {"ddp", "diloco", "fgd", "noloco", "streaming"}
