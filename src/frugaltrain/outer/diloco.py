@@ -22,6 +22,34 @@ def outer_sgd(params: list[torch.Tensor], lr: float, momentum: float, nesterov: 
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
 
+@torch.no_grad()
+def outer_step(
+    opt: torch.optim.Optimizer,
+    outer: list[torch.Tensor],
+    pseudo_grads: list[torch.Tensor],
+    inner: list[torch.Tensor],
+    merge_alpha: float = 0.0,
+) -> None:
+    """One outer step: feed the pseudo-gradients to `opt` as gradients of the outer parameters,
+    step, then restart the inner parameters from the result (theta <- alpha theta + (1-alpha) x;
+    alpha = 0 copies, bit for bit)."""
+    for x, g in zip(outer, pseudo_grads, strict=True):
+        x.grad = g
+    opt.step()
+    for x, theta in zip(outer, inner, strict=True):
+        x.grad = None
+        if merge_alpha:
+            theta.mul_(merge_alpha).add_(x, alpha=1 - merge_alpha)
+        else:
+            theta.copy_(x)
+
+
+@torch.no_grad()
+def copy_all_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
 class DiLoCo:
     """DiLoCo outer loop for one worker.
 
@@ -63,19 +91,12 @@ class DiLoCo:
             return False
         deltas = [x - theta for x, theta in zip(self.outer, self.params, strict=True)]
         self.comm.all_reduce_mean_(deltas)
-        for x, d in zip(self.outer, deltas, strict=True):
-            x.grad = d
-        self.opt.step()
-        for x, theta in zip(self.outer, self.params, strict=True):
-            x.grad = None
-            theta.copy_(x)
+        outer_step(self.opt, self.outer, deltas, self.params)
         return True
 
     def state_dict(self) -> dict:
         return {"outer": [x.clone() for x in self.outer], "opt": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for x, saved in zip(self.outer, state["outer"], strict=True):
-                x.copy_(saved)
+        copy_all_(self.outer, state["outer"])
         self.opt.load_state_dict(state["opt"])

@@ -25,7 +25,7 @@ from torch import nn
 
 from frugaltrain.comm import Comm, Handle
 from frugaltrain.comm.topology import mixing_matrix
-from frugaltrain.outer.diloco import outer_sgd
+from frugaltrain.outer.diloco import copy_all_, outer_sgd, outer_step
 from frugaltrain.outer.params import select
 
 
@@ -109,17 +109,10 @@ class FactoredGossipDiLoCo:
         handle.wait()
         self._mix1 = None
         n = len(self.outer)
-        for x, y in zip(self.outer, mixed[:n], strict=True):
-            x.copy_(y)
+        copy_all_(self.outer, mixed[:n])
         if len(mixed) > n:
-            for m, mixed_m in zip(self._momenta(), mixed[n:], strict=True):
-                m.copy_(mixed_m)
-        for x, d in zip(self.outer, deltas, strict=True):
-            x.grad = d
-        self.opt.step()
-        for x, theta in zip(self.outer, self.params, strict=True):
-            x.grad = None
-            theta.copy_(x)
+            copy_all_(self._momenta(), mixed[n:])
+        outer_step(self.opt, self.outer, deltas, self.params)
         self.round += 1
         return True
 
@@ -133,8 +126,6 @@ class FactoredGossipDiLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for x, saved in zip(self.outer, state["outer"], strict=True):
-                x.copy_(saved)
+        copy_all_(self.outer, state["outer"])
         self.opt.load_state_dict(state["opt"])
         self.round = state["round"]

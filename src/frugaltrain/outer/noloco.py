@@ -20,7 +20,7 @@ from torch import nn
 
 from frugaltrain.comm import Comm
 from frugaltrain.comm.topology import groups_matrix
-from frugaltrain.outer.diloco import outer_sgd
+from frugaltrain.outer.diloco import copy_all_, outer_sgd, outer_step
 
 
 class NoLoCo:
@@ -83,12 +83,7 @@ class NoLoCo:
                 d.sub_(mean - phi, alpha=self.pull / self.lr)
         else:
             self.comm.mix_(deltas, w, codec=self.codec)
-        for phi, d in zip(self.outer, deltas, strict=True):
-            phi.grad = d
-        self.opt.step()
-        for phi, theta in zip(self.outer, self.params, strict=True):
-            phi.grad = None
-            theta.copy_(phi)
+        outer_step(self.opt, self.outer, deltas, self.params)
         self.round += 1
         return True
 
@@ -100,8 +95,6 @@ class NoLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for x, saved in zip(self.outer, state["outer"], strict=True):
-                x.copy_(saved)
+        copy_all_(self.outer, state["outer"])
         self.opt.load_state_dict(state["opt"])
         self.round = state["round"]

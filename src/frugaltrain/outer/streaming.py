@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from frugaltrain.comm import Comm, Handle
-from frugaltrain.outer.diloco import outer_sgd
+from frugaltrain.outer.diloco import copy_all_, outer_sgd, outer_step
 from frugaltrain.outer.params import fragments
 
 
@@ -93,15 +93,7 @@ class StreamingDiLoCo:
     def _land(self, k: int) -> None:
         handle, deltas = self._pending.pop(k)
         handle.wait()
-        for x, d in zip(self.outer[k], deltas, strict=True):
-            x.grad = d
-        self.opts[k].step()
-        for x, theta in zip(self.outer[k], self.params[k], strict=True):
-            x.grad = None
-            if self.alpha:
-                theta.mul_(self.alpha).add_(x, alpha=1 - self.alpha)
-            else:
-                theta.copy_(x)
+        outer_step(self.opts[k], self.outer[k], deltas, self.params[k], self.alpha)
 
     def state_dict(self) -> dict:
         if self._pending:
@@ -112,10 +104,8 @@ class StreamingDiLoCo:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for xs, saved in zip(self.outer, state["outer"], strict=True):
-                for x, s in zip(xs, saved, strict=True):
-                    x.copy_(s)
+        for xs, saved in zip(self.outer, state["outer"], strict=True):
+            copy_all_(xs, saved)
         for opt, s in zip(self.opts, state["opts"], strict=True):
             opt.load_state_dict(s)
 
