@@ -25,6 +25,9 @@ class TorchDistComm(Comm):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.members = list(range(self.world_size))
+        # NCCL reduces only GPU tensors: logging scalars take a round trip through the GPU.
+        nccl = dist.get_backend(group) == "nccl"
+        self._metric_device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
     def _all_reduce_sum(self, tensors: list[torch.Tensor], scale: float) -> Handle:
         flat = _flatten_dense_tensors(tensors)
@@ -74,14 +77,23 @@ class TorchDistComm(Comm):
         return Exchange(wait_all, lambda: all(w.is_completed() for w in works))
 
     def _metric_sum(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=self.group)
+        self._metric_sum_async(t)()
 
     def _metric_sum_async(self, t: torch.Tensor):
-        work = dist.all_reduce(t, group=self.group, async_op=True)
-        return work.wait
+        on_device = t if self._metric_device is None else t.to(self._metric_device)
+        work = dist.all_reduce(on_device, group=self.group, async_op=True)
+
+        def wait() -> None:
+            work.wait()
+            if on_device is not t:
+                t.copy_(on_device)
+
+        return wait
 
     def _metric_max(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        on_device = t if self._metric_device is None else t.to(self._metric_device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group)
+        t.copy_(on_device)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -53,6 +53,17 @@ def build_model(cfg: Config) -> GPT:
     )
 
 
+def worker_device(cfg: Config, rank: int) -> torch.device:
+    """cpu, or cuda:(rank mod visible GPUs) for run.device = cuda."""
+    if cfg.run.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("run.device = 'cuda' but torch sees no GPU; use run.device = 'cpu'")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def build_strategy(cfg: Config, model: torch.nn.Module, comm: Comm):
     """The outer strategy of `cfg` for this worker (outer/__init__.py lists the interface)."""
     o = cfg.outer
@@ -125,10 +136,11 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     shard = shard_tokens(corpus.train, rank, M, d.num_shards, d.sharding)
     sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, rank))
     val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
-    val_batches = [val_sampler.batch(i) for i in range(r.eval_batches)]
+    device = worker_device(cfg, rank)
+    val_batches = [tuple(t.to(device) for t in val_sampler.batch(i)) for i in range(r.eval_batches)]
 
     # ---- model, inner optimizer and schedule, outer strategy
-    model = build_model(cfg)
+    model = build_model(cfg).to(device)
     model.train()
     inner = build_inner_optimizer(model, cfg.optim)
     schedule = build_schedule(inner, cfg.optim, r.steps)
@@ -196,7 +208,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         t0 = time.perf_counter()
         blocked0 = comm.stats.blocking_s
         strategy.before_step(step)
-        x, y = sampler.batch(step)
+        x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step))
         _, loss = model(x, y)
         if not torch.isfinite(loss):
             raise FloatingPointError(
