@@ -5,6 +5,8 @@
     frugaltrain report runs/default                  # re-render the summary table and plots
     frugaltrain energy ...                           # meters, fits, predictions (energy/cli.py)
     frugaltrain flow ...                             # FlowTrain vision-language (flow/cli.py)
+    frugaltrain simulate CONFIG --set sim.ratio=0.887  # virtual workers, simulated clock
+    frugaltrain compare CONFIG --methods diloco,GlobalM1 # methods side by side (sim/compare.py)
 
 Subsystems with many verbs own their parser (`frugaltrain.<subsystem>.cli.main(argv) -> int`);
 this file only routes to them, importing lazily so a missing optional extra never breaks `train`.
@@ -22,6 +24,8 @@ from frugaltrain.config import ConfigError
 SUBSYSTEM_COMMANDS = {
     "energy": "frugaltrain.energy.cli",
     "flow": "frugaltrain.flow.cli",
+    "simulate": "frugaltrain.sim.cli",
+    "compare": "frugaltrain.sim.compare",
 }
 
 

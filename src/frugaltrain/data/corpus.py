@@ -67,6 +67,11 @@ def load_corpus(path: str = "", max_bytes: int = 0, val_fraction: float = 0.05) 
         val_fraction: fraction of documents held out (by path hash); a single file is split
             at its tail instead.
     """
+    if path.startswith("markov:"):  # synthetic source with a known loss floor (data/markov.py)
+        from frugaltrain.data.markov import markov_tokens
+
+        train, val = markov_tokens(path)
+        return Corpus(train, val, f"synthetic {path}", 1)
     if path:
         root = Path(path).expanduser()
         if not root.exists():

@@ -1,0 +1,267 @@
+"""`frugaltrain compare CONFIG --methods A,B,... [--seeds 0,1,2] [--set ...] --out DIR`: simulate
+several outer methods under the same token budget per worker (run.steps x batch) and the same
+network, then write DIR/report.md and DIR/*.png. Every time and utilization figure is simulated;
+`--report-only` re-renders from the runs already in DIR.
+
+Method names (METHODS below) map to config overrides; `M2:<subset>` is Factored Gossip DiLoCo
+with global Mix1 and a global Mix2 over outer.params.select(<subset>) (e.g. M2:embed+head),
+`M2pairs:<subset>` the same with pairwise Mix2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from frugaltrain.config import ConfigError
+
+METHODS: dict[str, list[str]] = {
+    "ddp": ["outer.strategy=ddp"],
+    "diloco": ["outer.strategy=diloco"],
+    "GlobalM1": ["outer.strategy=fgd", "outer.preset=GlobalM1"],
+    "GlobalM1LocalM2": ["outer.strategy=fgd", "outer.preset=GlobalM1LocalM2"],
+    "fgd-ring": ["outer.strategy=fgd", "outer.mix1=ring", "outer.mix2=none"],
+    "noloco": ["outer.strategy=noloco"],
+    "streaming": ["outer.strategy=streaming", "outer.fragments=2", "outer.overlap=1"],
+}
+
+
+def method_overrides(name: str) -> list[str]:
+    if name in METHODS:
+        return METHODS[name]
+    for prefix, topo in (("M2pairs:", "pairs"), ("M2:", "complete")):
+        if name.startswith(prefix):
+            return [
+                "outer.strategy=fgd",
+                "outer.mix1=complete",
+                f"outer.mix2={topo}",
+                f"outer.mix2_params={name[len(prefix) :]!r}",
+            ]
+    raise ConfigError(
+        f"--methods: unknown method {name!r}; choose from {', '.join(METHODS)}, "
+        "M2:<subset> or M2pairs:<subset>"
+    )
+
+
+def _safe(name: str) -> str:
+    return name.replace(":", "_").replace("+", "-")
+
+
+def run_compare(
+    config: str | None, methods: list[str], seeds: list[int], sets: list[str], out: Path
+) -> None:
+    from frugaltrain.sim.config import load_sim_config
+    from frugaltrain.sim.engine import simulate
+
+    plans = []
+    for m in methods:  # validate every config before running any
+        for seed in seeds:
+            cfg, sim = load_sim_config(config, [*sets, *method_overrides(m), f"run.seed={seed}"])
+            plans.append((m, seed, cfg, sim))
+    for m, seed, cfg, sim in plans:
+        run_dir = out / _safe(m) / f"seed{seed}"
+        if (run_dir / "summary.json").is_file():
+            continue  # already done (compare resumes)
+        print(f"[compare] {m} seed {seed}", flush=True)
+        simulate(cfg, sim, run_dir)
+    (out / "compare.json").write_text(
+        json.dumps({"methods": methods, "seeds": seeds, "config": config, "sets": sets}, indent=1)
+    )
+
+
+def _load(out: Path, methods: list[str]) -> dict[str, list[tuple[dict, list[dict]]]]:
+    runs: dict[str, list] = {}
+    for m in methods:
+        for d in sorted((out / _safe(m)).glob("seed*")):
+            if not (d / "summary.json").is_file():
+                continue
+            recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            runs.setdefault(m, []).append((json.loads((d / "summary.json").read_text()), recs))
+    return runs
+
+
+def _ms(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def time_to_target(recs: list[dict], key: str, target: float) -> float | None:
+    """First simulated time at which the evaluated `key` is <= target (None: never)."""
+    for r in recs:
+        if key in r and r[key] <= target:
+            return r["time/sim_s"]
+    return None
+
+
+def report(out: Path, methods: list[str] | None = None, target: float | None = None) -> str:
+    """Write DIR/report.md and the PNGs from the runs in DIR; returns the markdown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = (
+        json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
+    )
+    methods = methods or meta.get("methods", [])
+    runs = _load(out, methods)
+    first = next(iter(runs.values()))[0][0] if runs else {}
+    key = "loss/excess" if first.get("loss/floor") is not None else "loss/val"
+    label = "val loss - entropy floor (nats)" if key == "loss/excess" else "val loss (nats)"
+    if target is None and "diloco" in runs:
+        # Default target: the loss DiLoCo reaches (mean over seeds), plus 2%.
+        target = statistics.mean(s[key] for s, _ in runs["diloco"]) * 1.02
+    rows = []
+    for m, rs in runs.items():
+        sums = [s for s, _ in rs]
+        ttt = [time_to_target(recs, key, target) for _, recs in rs] if target else []
+        rows.append(
+            (
+                m,
+                len(rs),
+                _ms([s[key] for s in sums]),
+                _ms([s["util/compute"] for s in sums]),
+                _ms([s["time/sim_s"] for s in sums]),
+                _ms([s["comm/bytes_sent_per_worker"] / 1e6 for s in sums]),
+                _ms([s["consensus/total"] for s in sums]),
+                _ms([t for t in ttt if t is not None]) + ("" if all(ttt) else " (not all)"),
+            )
+        )
+    tag = (
+        "simulated clock and network; synthetic data"
+        if key == "loss/excess"
+        else "simulated clock and network"
+    )
+    md = [f"# Compare report ({tag})", ""]
+    if meta:
+        md += [
+            f"Config: `{meta.get('config')}`, overrides: `{' '.join(meta.get('sets', []))}`,",
+            f"seeds: {meta.get('seeds')}.",
+            "",
+        ]
+    if first.get("loss/floor") is not None:
+        md += [
+            f"Loss floor (entropy of the Markov source over the window): "
+            f"{first['loss/floor']:.4f} nats/token.",
+            "",
+        ]
+    last_col = f"time to {key} <= {target:.4f} (sim. s)" if target else "-"
+    md += [
+        f"| method | seeds | final {key} | utilization (sim.) | wall (sim. s) | MB sent/worker "
+        f"| consensus dist. | {last_col} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    md.append("")
+
+    def curve(ax, xkey, ykey):
+        for m, rs in runs.items():
+            for n, (_, recs) in enumerate(rs):
+                pts = [(r[xkey], r[ykey]) for r in recs if ykey in r and r.get(xkey) is not None]
+                if pts:
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        color=f"C{list(runs).index(m) % 10}",
+                        label=m if n == 0 else None,
+                        alpha=0.8,
+                    )
+
+    figs = []
+    for name, xkey, ykey, xl, yl in (
+        ("loss_vs_tokens", "tokens_per_worker", key, "tokens per worker", label),
+        ("loss_vs_time", "time/sim_s", key, "simulated wall-clock (s)", label),
+        (
+            "consensus",
+            "tokens_per_worker",
+            "consensus/total",
+            "tokens per worker",
+            "consensus distance (sum of squares)",
+        ),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        curve(ax, xkey, ykey)
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        if ykey == key:
+            ax.set_yscale("log")
+        ax.set_title(f"{yl} ({tag})", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        figs.append(name)
+    for name, skey, yl in (
+        ("utilization", "util/compute", "compute utilization (simulated)"),
+        ("bytes", "comm/bytes_sent_per_worker", "bytes sent per worker"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        names = list(runs)
+        ax.bar(
+            names,
+            [statistics.mean(s[skey] for s, _ in runs[m]) for m in names],
+            color=[f"C{i % 10}" for i in range(len(names))],
+        )
+        ax.set_ylabel(yl)
+        ax.set_title(f"{yl} ({tag})", fontsize=9)
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        figs.append(name)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (m, rs) in enumerate(runs.items()):
+        u = statistics.mean(s["util/compute"] for s, _ in rs)
+        loss = statistics.mean(s[key] for s, _ in rs)
+        ax.scatter([u], [loss], color=f"C{i % 10}", marker="o" if m.startswith("M2") else "s")
+        ax.annotate(m, (u, loss), fontsize=7)
+    ax.set_xlabel("compute utilization (simulated)")
+    ax.set_ylabel(f"final {label}")
+    ax.set_title(f"Pareto: utilization vs final loss, Mix2 subsets as circles ({tag})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=110)
+    plt.close(fig)
+    figs.append("pareto")
+    md += [f"![{f}]({f}.png)" for f in figs]
+    text = "\n".join(md) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="frugaltrain compare", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", help="TOML config (training sections plus [sim])")
+    p.add_argument(
+        "--methods",
+        default="ddp,diloco,GlobalM1,GlobalM1LocalM2,noloco,streaming",
+        help="comma-separated method names",
+    )
+    p.add_argument("--seeds", default="0", help="comma-separated run.seed values")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--target", type=float, help="target loss for time-to-target")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if not args.report_only:
+            run_compare(
+                args.config, methods, [int(s) for s in args.seeds.split(",")], args.set, out
+            )
+        print(report(out, methods, args.target))
+    except ConfigError as e:
+        print(f"frugaltrain: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The `[sim]` table: virtual clock, network and fault model of a simulated run.
+
+A simulate config is an ordinary training config (run, data, model, optim, outer) plus this
+table; `load_sim_config` splits the two, so `--set sim.ratio=0.887` and `--set outer.H=20` both
+work. Times are simulated seconds, bandwidths bits per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from frugaltrain.config import Config, ConfigError, build_config, read_toml
+
+
+@dataclass(kw_only=True)
+class SimSection:
+    compute: str = "fixed"
+    """Compute time per inner step: fixed (step_s), lognormal (step_s * exp(N(0, step_sigma))),
+    or measured (the real seconds the step took in this process)."""
+    step_s: float = 1.0
+    """Simulated seconds of one inner step (median for lognormal)."""
+    step_sigma: float = 0.0
+    """Lognormal sigma of the step time (compute = lognormal)."""
+    ratio: float = 0.0
+    """r = T_AR / (H * step_s): sets every worker's bandwidth so a ring all-reduce of all fp32
+    parameters takes r times a round of compute (research note b.6: r = 0.887 and 1.774 are the
+    paper's 200 and 100 Mbps). 0: use bandwidth_bps."""
+    bandwidth_bps: list[float] = field(default_factory=lambda: [1e8])
+    """Link bandwidth in bits/s: one value for all workers, or one per worker."""
+    latency_s: float = 0.0
+    """Per-message latency in simulated seconds."""
+    straggler_prob: float = 0.0
+    """Probability that a worker's inner step is slowed by straggler_slowdown."""
+    straggler_slowdown: float = 4.0
+    """Factor k of a straggling step."""
+    straggler_worker: int = -1
+    """If >= 0, only this worker straggles (with straggler_prob); -1: any worker."""
+    drop_prob: float = 0.0
+    """q: probability that one message on one edge is lost in an operation. Gossip mixes what
+    arrived (the self weight absorbs the missing mass); an all-reduce fails if any of its M ring
+    links drops and follows allreduce_policy."""
+    allreduce_policy: str = "retry"
+    """retry (wait timeout_s, send again) or rollback (discard the round: every worker returns
+    to its state at the round start, the round's inner steps are lost)."""
+    timeout_s: float = 0.0
+    """Simulated seconds before a failed all-reduce is detected; 0: twice its transfer time."""
+    max_retries: int = 10
+    """retry: attempts after which the all-reduce goes through regardless (keeps runs finite)."""
+    crash_worker: int = -1
+    """Worker that crashes (-1: none)."""
+    crash_round: int = 0
+    """Outer round after which it crashes."""
+    crash_rounds: int = 0
+    """R: rounds it stays down; then it rejoins by copying state from its ring neighbour."""
+    compute_threads: int = 2
+    """Virtual workers computing at once (one OS thread each; about the number of cores)."""
+    fault_seed: int = 0
+    """Seeds straggler, drop and lognormal draws (independent of run.seed)."""
+
+
+def validate_sim(s: SimSection, cfg: Config) -> None:
+    def need(ok: bool, key: str, value, rule: str) -> None:
+        if not ok:
+            raise ConfigError(f"sim.{key} = {value!r}: {rule}")
+
+    M = cfg.run.workers
+    need(
+        s.compute in ("fixed", "lognormal", "measured"),
+        "compute",
+        s.compute,
+        "choose fixed, lognormal or measured",
+    )
+    need(s.step_s > 0, "step_s", s.step_s, "must be positive")
+    need(s.step_sigma >= 0, "step_sigma", s.step_sigma, "must be >= 0")
+    need(s.ratio >= 0, "ratio", s.ratio, "must be >= 0 (0: use bandwidth_bps)")
+    need(
+        len(s.bandwidth_bps) in (1, M),
+        "bandwidth_bps",
+        s.bandwidth_bps,
+        f"give one value or run.workers = {M} values",
+    )
+    need(all(b > 0 for b in s.bandwidth_bps), "bandwidth_bps", s.bandwidth_bps, "must be > 0")
+    need(s.latency_s >= 0, "latency_s", s.latency_s, "must be >= 0")
+    need(0 <= s.straggler_prob <= 1, "straggler_prob", s.straggler_prob, "must be in [0, 1]")
+    need(s.straggler_slowdown >= 1, "straggler_slowdown", s.straggler_slowdown, "must be >= 1")
+    need(0 <= s.drop_prob < 1, "drop_prob", s.drop_prob, "must be in [0, 1)")
+    need(
+        s.allreduce_policy in ("retry", "rollback"),
+        "allreduce_policy",
+        s.allreduce_policy,
+        "choose retry or rollback",
+    )
+    need(s.timeout_s >= 0, "timeout_s", s.timeout_s, "must be >= 0 (0: twice the transfer)")
+    need(
+        -1 <= s.crash_worker < M,
+        "crash_worker",
+        s.crash_worker,
+        f"must be -1 (none) or a worker in [0, {M})",
+    )
+    need(
+        -1 <= s.straggler_worker < M,
+        "straggler_worker",
+        s.straggler_worker,
+        f"must be -1 (any) or a worker in [0, {M})",
+    )
+    if s.crash_worker >= 0:
+        need(M >= 2, "crash_worker", s.crash_worker, "a crash needs run.workers >= 2")
+        need(s.crash_rounds >= 1, "crash_rounds", s.crash_rounds, "must be >= 1 with a crash")
+    need(s.compute_threads >= 1, "compute_threads", s.compute_threads, "must be >= 1")
+    if cfg.optim.name != "adamw" or cfg.run.device != "cpu":
+        raise ConfigError(
+            f"optim.name = {cfg.optim.name!r}, run.device = {cfg.run.device!r}: the simulator "
+            "runs the plain AdamW inner step on CPU; set optim.name = 'adamw', run.device = 'cpu'"
+        )
+    if cfg.model.dropout > 0:
+        raise ConfigError(
+            f"model.dropout = {cfg.model.dropout}: the simulator runs workers as threads that "
+            "share torch's global RNG, so dropout would not be reproducible; set model.dropout = 0"
+        )
+
+
+def load_sim_config(
+    path: str | None, overrides: list[str] | None = None
+) -> tuple[Config, SimSection]:
+    """(training config, sim section) from a TOML file with an optional [sim] table and
+    `--set` overrides (sim.* keys go to the sim section)."""
+    raw = read_toml(path) if path else {}
+    sim_raw = raw.pop("sim", {})
+    overrides = list(overrides or [])
+    sim_sets = [o.split(".", 1)[1] for o in overrides if o.startswith("sim.")]
+    cfg = build_config(Config, raw, [o for o in overrides if not o.startswith("sim.")])
+    sim = build_sim(sim_raw, sim_sets, cfg)
+    return cfg, sim
+
+
+def build_sim(raw: dict | None, overrides: list[str], cfg: Config) -> SimSection:
+    try:
+        sim = build_config(SimSection, raw or {}, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"[sim] {e}") from e
+    validate_sim(sim, cfg)
+    return sim

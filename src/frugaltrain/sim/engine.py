@@ -1,0 +1,411 @@
+"""Run M virtual workers in one process: the simulated counterpart of train/launch.py.
+
+Design (docs/sim.md): one OS thread per virtual worker runs the same per-worker step sequence as
+train/loop.py (before_step, forward, backward, sync_grads, clip, AdamW, schedule, after_step)
+on its own model, AdamW and outer strategy object (outer/, unchanged), talking through a
+`SimComm`. At most `sim.compute_threads` workers compute at once (a semaphore): torch releases
+the GIL inside ops, so 2 threads keep 2 cores busy, and the rest wait without spinning.
+Every worker thread meets the others at each round end (a barrier); the last to arrive runs the
+round's bookkeeping single-threaded: metrics, rollback, crash and rejoin.
+
+Batching all workers into one vmapped step was measured and rejected for this model size
+(benchmarks/sim_scale.py): torch has no vmap rule for CPU flash attention and falls back to a
+per-sample loop, slower than threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from frugaltrain.config import Config, to_toml
+from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
+from frugaltrain.metrics.log import MetricsLog
+from frugaltrain.outer.params import group_of
+from frugaltrain.sim.config import SimSection
+from frugaltrain.sim.network import build_network
+from frugaltrain.sim.world import SimComm, SimWorld
+from frugaltrain.train.loop import build_model, build_strategy, evaluate
+from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+
+GROUPS = ("embed", "blocks", "head", "other")
+
+
+@dataclass
+class _Worker:
+    model: torch.nn.Module
+    inner: torch.optim.Optimizer
+    schedule: object
+    strategy: object
+    sampler: BatchSampler
+    comm: SimComm
+    alive: bool = True
+    loss_sum: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class SimResult:
+    models: list[torch.nn.Module]
+    world: SimWorld
+    records: list[dict]
+    summary: dict
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+class _Sim:
+    def __init__(self, cfg: Config, sim: SimSection, run_dir: Path | None) -> None:
+        r, d = cfg.run, cfg.data
+        self.cfg, self.sim, self.run_dir = cfg, sim, run_dir
+        M = self.M = r.workers
+        corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+        val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
+        self.val_batches = [val_sampler.batch(i) for i in range(r.eval_batches)]
+        self.floor = None
+        if d.path.startswith("markov:"):
+            from frugaltrain.data.markov import markov_floor
+
+            self.floor = markov_floor(d.path, d.seq_len)
+        template = build_model(cfg)
+        self.num_params = template.num_params()
+        self.world = SimWorld(M, build_network(sim, cfg, self.num_params), sim)
+        self.workers: list[_Worker] = []
+        for i in range(M):  # built in this thread: build_model seeds torch's global RNG
+            model = copy.deepcopy(template)
+            model.train()
+            inner = build_inner_optimizer(model, cfg.optim)
+            comm = SimComm(self.world, i)
+            shard = shard_tokens(corpus.train, i, M, d.num_shards, d.sharding)
+            self.workers.append(
+                _Worker(
+                    model,
+                    inner,
+                    build_schedule(inner, cfg.optim, r.steps),
+                    build_strategy(cfg, model, comm),
+                    BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, i)),
+                    comm,
+                )
+            )
+        self.slots = threading.Semaphore(sim.compute_threads)
+        self.barrier = threading.Barrier(M, action=self._round_end)
+        self.rng = np.random.default_rng([sim.fault_seed, 0xC10C])
+        self.step_draws = self._draw_step_times()
+        self.records: list[dict] = []
+        self.log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
+        self.round = 0
+        self.step = 0
+        self.t0 = time.perf_counter()
+        self._prev = self._totals()
+        self._snapshots: list | None = None
+        self._down_since: float | None = None
+        self.counts = {"rollbacks": 0, "rejoins": 0}
+        self._take_snapshot()
+
+    # ---- compute time model
+    def _draw_step_times(self) -> np.ndarray:
+        """[M, steps] simulated step times: fixed or lognormal, times straggler slowdowns."""
+        s, M, n = self.sim, self.M, self.cfg.run.steps
+        base = np.full((M, n), s.step_s)
+        if s.compute == "lognormal" and s.step_sigma > 0:
+            base *= np.exp(self.rng.normal(0.0, s.step_sigma, (M, n)))
+        if s.straggler_prob > 0:
+            slow = self.rng.random((M, n)) < s.straggler_prob
+            if s.straggler_worker >= 0:
+                slow[np.arange(M) != s.straggler_worker] = False
+            base = np.where(slow, base * s.straggler_slowdown, base)
+        return base
+
+    # ---- one virtual worker
+    def _run_worker(self, i: int) -> None:
+        w, cfg = self.workers[i], self.cfg
+        H, steps = cfg.outer.H, cfg.run.steps
+        for step in range(steps):
+            if w.alive:
+                w.strategy.before_step(step)
+                with self.slots:
+                    t = time.perf_counter()
+                    x, y = w.sampler.batch(step)
+                    _, loss = w.model(x, y)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(
+                            f"[sim worker {i} step {step}] non-finite loss {loss.item()}; "
+                            "lower optim.lr or raise optim.warmup_steps"
+                        )
+                    loss.backward()
+                    measured = time.perf_counter() - t
+                w.strategy.sync_grads()
+                with self.slots:
+                    t = time.perf_counter()
+                    if cfg.optim.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(w.model.parameters(), cfg.optim.grad_clip)
+                    w.inner.step()
+                    w.schedule.step()
+                    w.inner.zero_grad(set_to_none=True)
+                    measured += time.perf_counter() - t
+                dt = measured if self.sim.compute == "measured" else self.step_draws[i, step]
+                self.world.advance(i, float(dt))
+                w.loss_sum += loss.item()
+                w.steps += 1
+                boundary = w.strategy.after_step(step + 1)
+            else:
+                w.schedule.step()  # the schedule follows the step count while down
+                boundary = (step + 1) % H == 0
+            if boundary or step + 1 == steps:
+                self.barrier.wait()
+
+    def run(self) -> SimResult:
+        errors: list[BaseException] = []
+
+        def body(i: int) -> None:
+            try:
+                self._run_worker(i)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                errors.append(e)
+                self.world.abort(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(self.M)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            first = next(
+                (e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0]
+            )
+            raise first
+        summary = self._summary()
+        if self.log is not None:
+            self.log.close()
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return SimResult([w.model for w in self.workers], self.world, self.records, summary)
+
+    # ---- round end (one thread, all others waiting at the barrier)
+    def _totals(self) -> dict:
+        wd = self.world
+        return {
+            "compute": list(wd.compute_s),
+            "blocking": list(wd.blocking_s),
+            "sent": [w.comm.stats.bytes_sent for w in self.workers],
+            "received": [w.comm.stats.bytes_received for w in self.workers],
+        }
+
+    def _round_end(self) -> None:
+        cfg, s = self.cfg, self.sim
+        self.round += 1
+        self.step = min(self.round * cfg.outer.H, cfg.run.steps)
+        wd = self.world
+        rolled_back = False
+        if wd.round_failed:
+            self._restore_snapshot()
+            wd.round_failed = False
+            rolled_back = True
+            self.counts["rollbacks"] += 1
+        self._record(rolled_back)
+        if s.crash_worker >= 0:
+            if self.round == s.crash_round:
+                self._crash(s.crash_worker)
+            elif self.round == s.crash_round + s.crash_rounds:
+                self._rejoin(s.crash_worker)
+        self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        if not (self.sim.drop_prob > 0 and self.sim.allreduce_policy == "rollback"):
+            return
+        self._snapshots = [
+            (
+                [p.detach().clone() for p in w.model.parameters()],
+                copy.deepcopy(w.strategy.state_dict()),
+            )
+            for w in self.workers
+        ]
+
+    def _restore_snapshot(self) -> None:
+        with torch.no_grad():
+            for w, (params, state) in zip(self.workers, self._snapshots, strict=True):
+                if not w.alive:
+                    continue
+                for p, saved in zip(w.model.parameters(), params, strict=True):
+                    p.copy_(saved)
+                w.strategy.load_state_dict(copy.deepcopy(state))
+        self.world.events.append({"round": self.round, "kind": "rollback"})
+
+    def _set_members(self) -> None:
+        live = [i for i, w in enumerate(self.workers) if w.alive]
+        self.world.members = live
+        for i in live:
+            self.workers[i].comm.members = list(live)
+
+    def _crash(self, i: int) -> None:
+        self.workers[i].alive = False
+        self._down_since = self.world.clock[i]
+        self._set_members()
+        self.world.events.append({"round": self.round, "kind": "crash", "worker": i})
+
+    def _rejoin(self, i: int) -> None:
+        """Worker i copies model, inner and outer state from its live ring neighbour and pays
+        the transfer of that state over the slower of the two links."""
+        wd, w = self.world, self.workers[i]
+        nb = next(j % self.M for j in range(i + 1, i + self.M) if self.workers[j % self.M].alive)
+        src = self.workers[nb]
+        state = {
+            "model": src.model.state_dict(),
+            "inner": src.inner.state_dict(),
+            "outer": src.strategy.state_dict(),
+        }
+        nbytes = _tensor_bytes(state)
+        with torch.no_grad():
+            w.model.load_state_dict(copy.deepcopy(state["model"]))
+        w.inner.load_state_dict(copy.deepcopy(state["inner"]))
+        w.strategy.load_state_dict(copy.deepcopy(state["outer"]))
+        w.comm.seq, w.comm._op_seq = src.comm.seq, src.comm._op_seq
+        start = max(wd.clock[nb], wd.link_free[nb])
+        done = start + wd.net.pair_s(nbytes, i, nb)
+        wd.link_free[nb] = done
+        wd.events.append(
+            {
+                "round": self.round,
+                "kind": "rejoin",
+                "worker": i,
+                "from": nb,
+                "bytes": nbytes,
+                "down_s": done - (self._down_since or 0.0),
+            }
+        )
+        wd.clock[i] = done
+        w.alive = True
+        self.counts["rejoins"] += 1
+        self._set_members()
+
+    @torch.no_grad()
+    def _record(self, rolled_back: bool) -> None:
+        cfg, wd = self.cfg, self.world
+        live = [i for i, w in enumerate(self.workers) if w.alive]
+        now, prev = self._totals(), self._prev
+        self._prev = now
+        d = {k: [now[k][i] - prev[k][i] for i in live] for k in now}
+        compute, blocking = sum(d["compute"]), sum(d["blocking"])
+        steps_done = sum(self.workers[i].steps for i in live)
+        rec = {
+            "kind": "round",
+            "round": self.round,
+            "step": self.step,
+            "strategy": cfg.outer.strategy,
+            "workers": self.M,
+            "live_workers": len(live),
+            "clock": "simulated",
+            "tokens": self.step * cfg.data.batch_size * cfg.data.seq_len * self.M,
+            "tokens_per_worker": self.step * cfg.data.batch_size * cfg.data.seq_len,
+            "loss/train": sum(self.workers[i].loss_sum for i in live) / max(1, steps_done),
+            "time/sim_s": max(wd.clock),
+            "time/compute_s": compute / len(live),
+            "time/blocking_s": blocking / len(live),
+            "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
+            "util/cluster": sum(wd.compute_s) / (self.M * max(wd.clock)) if max(wd.clock) else None,
+            "comm/bytes_sent": int(sum(d["sent"]) / len(live)),
+            "comm/bytes_received": int(sum(d["received"]) / len(live)),
+            "faults/drops": wd.counts["drops"],
+            "faults/allreduce_failures": wd.counts["allreduce_failures"],
+            "faults/rollbacks": self.counts["rollbacks"],
+            "faults/rolled_back": rolled_back,
+            "time/real_s": time.perf_counter() - self.t0,
+        }
+        for i in live:
+            self.workers[i].loss_sum, self.workers[i].steps = 0.0, 0
+        r = cfg.run
+        due = r.eval_every and self.step // r.eval_every > (self.step - cfg.outer.H) // r.eval_every
+        if due or self.step >= r.steps:
+            rec.update(self._evaluate(live))
+        self.records.append(rec)
+        if self.log is not None:
+            self.log.write(rec)
+            self.log.flush()
+
+    def _evaluate(self, live: list[int]) -> dict:
+        models = [self.workers[i].model for i in live]
+        named = [list(m.named_parameters()) for m in models]
+        mean = [
+            torch.stack([nm[k][1] for nm in named]).double().mean(0).float()
+            for k in range(len(named[0]))
+        ]
+        groups = dict.fromkeys(GROUPS, 0.0)
+        for nm in named:
+            for (name, p), m in zip(nm, mean, strict=True):
+                groups[group_of(name)] += (p - m).pow(2).sum().item() / len(models)
+        avg = copy.deepcopy(models[0])
+        for p, m in zip(avg.parameters(), mean, strict=True):
+            p.copy_(m)
+        vals = [evaluate(m, self.val_batches) for m in models]
+        out = {
+            "loss/val": sum(vals) / len(vals),
+            "loss/val_avg_model": evaluate(avg, self.val_batches),
+            "consensus/total": sum(groups.values()),
+        }
+        out.update({f"consensus/{g}": v for g, v in groups.items()})
+        if self.floor is not None:
+            out["loss/floor"] = self.floor
+            out["loss/excess"] = out["loss/val"] - self.floor
+            out["loss/excess_avg_model"] = out["loss/val_avg_model"] - self.floor
+        return out
+
+    def _summary(self) -> dict:
+        wd, recs = self.world, self.records
+        evals = [r for r in recs if "loss/val" in r]
+        compute, blocking = sum(wd.compute_s), sum(wd.blocking_s)
+        last = evals[-1] if evals else {}
+        return {
+            "strategy": self.cfg.outer.strategy,
+            "workers": self.M,
+            "clock": "simulated",
+            "num_params": self.num_params,
+            "steps": self.cfg.run.steps,
+            "tokens_per_worker": recs[-1]["tokens_per_worker"] if recs else 0,
+            "time/sim_s": max(wd.clock),
+            "util/compute": compute / (compute + blocking) if compute + blocking else None,
+            "util/cluster": compute / (self.M * max(wd.clock)) if max(wd.clock) else None,
+            "comm/bytes_sent_per_worker": sum(w.comm.stats.bytes_sent for w in self.workers)
+            / self.M,
+            "loss/val": last.get("loss/val"),
+            "loss/val_avg_model": last.get("loss/val_avg_model"),
+            "loss/excess": last.get("loss/excess"),
+            "loss/floor": self.floor,
+            "consensus/total": last.get("consensus/total"),
+            "faults": {**wd.counts, **self.counts},
+            "events": wd.events[:200],
+            "time/real_s": time.perf_counter() - self.t0,
+            "bandwidth_Bps": wd.net.B[:4],
+        }
+
+
+def simulate(cfg: Config, sim: SimSection, run_dir: Path | None = None) -> SimResult:
+    """Run cfg's workers as virtual workers on sim's clock; metrics go to run_dir (optional)."""
+    # Parallelism comes from worker threads (sim.compute_threads), one core each.
+    torch.set_num_threads(1)
+    if run_dir is not None:
+        from frugaltrain.config import to_dict
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg) + _sim_toml(to_dict(sim)))
+    return _Sim(cfg, sim, run_dir).run()
+
+
+def _sim_toml(values: dict) -> str:
+    from frugaltrain.config import _toml_value
+
+    return "[sim]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
