@@ -97,12 +97,29 @@ def test_toml_round_trip(tmp_path):
         (["run.progress=1"], "run.progress = 1: expected true or false"),
         (["H=5"], "unknown key H"),
         (["outer.H"], "expected section.key=value"),
+        (
+            ["optim.name=sgd"],
+            "optim.name = 'sgd': choose one of adamw, forge-adamw, forge-sgd, forge-lion",
+        ),
+        (
+            ["optim.name=forge-adamw", "outer.strategy=ddp", "run.workers=2"],
+            "optim.name = 'forge-adamw': FORGE updates weights inside backward, so no gradient "
+            "exists for outer.strategy = 'ddp' to all-reduce over run.workers = 2; use "
+            "optim.name = 'adamw' with ddp",
+        ),
     ],
 )
 def test_bad_config_is_named(sets, message):
     with pytest.raises(ConfigError) as e:
         build_config(Config, {}, sets)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["adamw", "forge-adamw", "forge-sgd", "forge-lion"])
+def test_inner_optimizers_accepted(name):
+    assert build_config(Config, {}, [f"optim.name={name}"]).optim.name == name
+    # One worker of ddp has nothing to all-reduce, so FORGE is allowed there.
+    build_config(Config, {}, [f"optim.name={name}", "outer.strategy=ddp", "run.workers=1"])
 
 
 def test_missing_config_file(tmp_path):

@@ -49,6 +49,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mix2-params", help="fgd Mix2 tensors, e.g. embed+head+blocks:2")
     p.add_argument("--momentum-policy", help="fgd outer momentum: local or mixed")
     p.add_argument("--codec", help="outer traffic encoding: fp32, bf16, int8, e3m0")
+    p.add_argument(
+        "--inner-optimizer",
+        help="shortcut for --set optim.name=NAME: adamw, forge-adamw, forge-sgd or forge-lion",
+    )
     p.add_argument("--name", help="shortcut for --set run.name=NAME")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
 
@@ -67,6 +71,7 @@ def _shortcuts(args: argparse.Namespace) -> list[str]:
         ("mix2_params", "outer.mix2_params"),
         ("momentum_policy", "outer.momentum_policy"),
         ("codec", "outer.codec"),
+        ("inner_optimizer", "optim.name"),
     ):
         value = getattr(args, flag, None)
         if value is not None:

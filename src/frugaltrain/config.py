@@ -101,7 +101,9 @@ class ModelSection:
 @dataclass(kw_only=True)
 class OptimSection:
     name: str = "adamw"
-    """Inner optimizer: adamw (torch.optim.AdamW)."""
+    """Inner optimizer: adamw (torch.optim.AdamW), or FORGE's optimizer-in-backward (no weight
+    gradient is ever materialized; docs/forge.md): forge-adamw, forge-sgd (momentum betas[0]) or
+    forge-lion."""
     lr: float = 3e-3
     """Peak inner learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -171,6 +173,7 @@ class Config:
 
 
 STRATEGIES = ("ddp", "diloco", "fgd", "noloco", "streaming")
+INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")
 CODECS = ("fp32", "bf16", "int8", "e3m0")
 FGD_PRESETS = {
@@ -227,7 +230,20 @@ def validate(cfg: Config) -> None:
     )
     _require(m.vocab_size >= 2, "model.vocab_size", m.vocab_size, "must be at least 2")
     _require(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
-    _require(opt.name == "adamw", "optim.name", opt.name, "choose adamw")
+    _require(
+        opt.name in INNER_OPTIMIZERS,
+        "optim.name",
+        opt.name,
+        f"choose one of {', '.join(INNER_OPTIMIZERS)}",
+    )
+    _require(
+        not (opt.name.startswith("forge-") and o.strategy == "ddp" and r.workers > 1),
+        "optim.name",
+        opt.name,
+        f"FORGE updates weights inside backward, so no gradient exists for outer.strategy = "
+        f"'ddp' to all-reduce over run.workers = {r.workers}; use optim.name = 'adamw' with ddp, "
+        "or a DiLoCo-family outer strategy (diloco, fgd, noloco, streaming) with FORGE",
+    )
     _require(opt.lr > 0, "optim.lr", opt.lr, "must be positive")
     _require(all(0 <= b < 1 for b in opt.betas), "optim.betas", opt.betas, "each must be in [0, 1)")
     _require(opt.warmup_steps >= 0, "optim.warmup_steps", opt.warmup_steps, "must be >= 0")

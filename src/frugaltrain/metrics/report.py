@@ -38,9 +38,17 @@ def summarize(records: list[dict]) -> dict:
     if evals:
         out["consensus/total_last"] = evals[-1]["consensus/total"]
         out["disagreement/logit_js_last"] = evals[-1]["disagreement/logit_js"]
-    for key in ("energy/joules", "energy/label", "flops/train"):
-        if key in last:
-            out[key] = last[key]
+    # Energy and FLOPs are per round; the run's figure is their sum. One round without a reading
+    # makes the total unavailable (its label says why) rather than a silent undercount.
+    labels = [r["energy/label"] for r in rounds if "energy/label" in r]
+    if labels:
+        missing = [label for label in labels if label.startswith("unavailable")]
+        out["energy/label"] = missing[0] if missing else "; ".join(dict.fromkeys(labels))
+        if not missing and all("energy/joules" in r for r in rounds):
+            out["energy/joules"] = sum(r["energy/joules"] for r in rounds)
+    if all("flops/train" in r for r in rounds):
+        out["flops/train"] = sum(r["flops/train"] for r in rounds)
+        out["flops/label"] = last.get("flops/label", "estimated (analytic)")
     return out
 
 
@@ -73,10 +81,11 @@ def format_summary(summary: dict) -> str:
     if "consensus/total_last" in summary:
         rows.append(("consensus distance (last eval)", _fmt(summary["consensus/total_last"])))
         rows.append(("logit JS vs averaged model", _fmt(summary["disagreement/logit_js_last"])))
-    if "energy/joules" in summary:
-        rows.append((f"energy J ({summary.get('energy/label')})", _fmt(summary["energy/joules"])))
+    if "energy/label" in summary:
+        rows.append((f"energy J ({summary['energy/label']})", _fmt(summary.get("energy/joules"))))
     if "flops/train" in summary:
-        rows.append(("training FLOPs (estimated, analytic)", _fmt(summary["flops/train"])))
+        label = summary.get("flops/label", "estimated (analytic)")
+        rows.append((f"training FLOPs ({label})", _fmt(summary["flops/train"])))
     width = max(len(k) for k, _ in rows)
     lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  -----"]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

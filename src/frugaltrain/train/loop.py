@@ -6,10 +6,25 @@ Timing (all measured wall clock, per worker):
     compute_s  = time in forward, backward and the inner optimizer step
     blocking_s = time blocked in communication (Handle.wait), from the comm's own accounting
     utilization = compute_s / (compute_s + blocking_s)
+
+Energy and FLOPs (per round record, summed by `report`):
+    energy/joules, energy/label = this round's energy from each worker process's meter
+        (energy.open_meter: RAPL or NVML "measured", else the CPU-time "estimated"; the label says
+        which, and an unavailable meter gives the label "unavailable: ..." and no joules, never
+        0). RAPL counts a whole CPU package whatever runs on it, so only local rank 0 of each
+        host reports it; NVML counts a whole GPU, so only the first worker on each GPU reports it;
+        the CPU-time estimate is per process, so every worker reports its own. The total is the
+        sum of the reporting workers. The window covers all of the round (steps, eval, outer
+        step), and round 1 also the setup.
+    flops/train = analytic forward + backward FLOPs of the round's tokens on all workers
+        (energy.transformer_train_flops; "estimated", matmuls only; FORGE's second clipping
+        backward and evaluation are not counted).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -20,12 +35,14 @@ import torch
 from frugaltrain.comm import Comm
 from frugaltrain.config import Config, fgd_mixing
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
+from frugaltrain.energy.meter import RaplMeter, open_meter
+from frugaltrain.energy.proxies import transformer_train_flops
 from frugaltrain.metrics.consensus import disagreement
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.models.gpt import GPT, GPTConfig
 from frugaltrain.outer import STRATEGIES
 from frugaltrain.train import checkpoint
-from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+from frugaltrain.train.optim import build_inner_optimizer, build_schedule, is_forge
 
 
 @dataclass
@@ -124,25 +141,42 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def open_energy_meter(device: torch.device, rank: int):
+    """Start this worker's energy meter; returns (meter, whether its readings count towards the
+    run's total). See the module docstring for the attribution rule."""
+    meter = open_meter(str(device) if device.type == "cuda" else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
+    if isinstance(meter, RaplMeter):
+        counts = local_rank == 0
+    elif device.type == "cuda":
+        counts = local_rank < torch.cuda.device_count()
+    else:
+        counts = True
+    meter.start()
+    return meter, counts
+
+
 def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | None = None):
     """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
     WorkerResult. Call on every worker with the same config."""
     r, d = cfg.run, cfg.data
     rank, M = comm.rank, comm.world_size
     is_main = rank == 0
+    device = worker_device(cfg, rank)
+    meter, meter_counts = open_energy_meter(device, rank)
 
     # ---- data: this worker's shard, and fixed validation batches shared by all workers
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
     shard = shard_tokens(corpus.train, rank, M, d.num_shards, d.sharding)
     sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, rank))
     val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
-    device = worker_device(cfg, rank)
     val_batches = [tuple(t.to(device) for t in val_sampler.batch(i)) for i in range(r.eval_batches)]
 
     # ---- model, inner optimizer and schedule, outer strategy
     model = build_model(cfg).to(device)
     model.train()
     inner = build_inner_optimizer(model, cfg.optim)
+    forge = is_forge(cfg.optim)
     schedule = build_schedule(inner, cfg.optim, r.steps)
     strategy = build_strategy(cfg, model, comm)
     torch.manual_seed(worker_seed(r.seed, rank))  # dropout differs per worker
@@ -177,6 +211,16 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
     stats_at_round_start = comm.stats.copy()
     pending = None
+    step_records: list[tuple[int, float, float]] = []
+    flops_per_token = transformer_train_flops(
+        cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, d.seq_len, cfg.model.vocab_size, 1
+    )
+
+    def write_steps() -> None:
+        """Write the buffered step records (once per round: no per-step file write)."""
+        for step_, loss_, lr_ in step_records:
+            log.write({"kind": "step", "step": step_, "loss/train": loss_, "lr": lr_})
+        step_records.clear()
 
     def emit_round(pending: tuple | None) -> None:
         """Complete a round record with the workers' means and write it."""
@@ -195,6 +239,11 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
                 "comm/bytes_received": int(mean[4]),
             }
         )
+        if mean[7] > 0:  # a reporting worker's meter gave no reading: no total, never a zero
+            if not record["energy/label"].startswith("unavailable"):
+                record["energy/label"] = f"unavailable: {int(round(mean[7] * M))} worker meter(s)"
+        else:
+            record["energy/joules"] = mean[6] * M  # the sum over reporting workers
         if has_val:
             record["loss/val"] = mean[5]
             if bar is not None:
@@ -210,25 +259,32 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         strategy.before_step(step)
         x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step))
         _, loss = model(x, y)
-        if not torch.isfinite(loss):
+        loss_value = loss.item()  # the step's one host sync (on a GPU: before backward starts)
+        if not math.isfinite(loss_value):
+            write_steps()
             raise FloatingPointError(
-                f"[worker {rank} step {step}] non-finite loss {loss.item()}; stopping before the "
+                f"[worker {rank} step {step}] non-finite loss {loss_value}; stopping before the "
                 "update (lower optim.lr or raise optim.warmup_steps)"
             )
-        loss.backward()
-        strategy.sync_grads()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        if forge:
+            # FORGE updates every weight inside backward (two passes for exact clipping when
+            # optim.grad_clip > 0); no gradient exists afterwards, so nothing to sync or clip.
+            inner.backward(loss)
+        else:
+            loss.backward()
+            strategy.sync_grads()
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         lr = inner.param_groups[0]["lr"]
         inner.step()
         schedule.step()
         inner.zero_grad(set_to_none=True)
         step += 1
         round_compute += time.perf_counter() - t0 - (comm.stats.blocking_s - blocked0)
-        loss_value = loss.item()
         round_loss_sum += loss_value
         round_steps += 1
-        log.write({"kind": "step", "step": step, "loss/train": loss_value, "lr": lr})
+        if log.enabled:  # step records are written at the round boundary, not per step
+            step_records.append((step, loss_value, lr))
         if bar is not None:
             bar.update(1)
 
@@ -236,6 +292,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         if not strategy.after_step(step) and step < r.steps:
             continue
         round_idx += 1
+        write_steps()
         due_eval = r.eval_every and (step // r.eval_every > (step - round_steps) // r.eval_every)
         record = {
             "kind": "round",
@@ -247,6 +304,8 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
             "tokens": step * tokens_per_step * M,
             "lr": lr,
             "time/wall_s": time.perf_counter() - t_start,
+            "flops/train": flops_per_token * round_steps * tokens_per_step * M,
+            "flops/label": "estimated (analytic)",
         }
         val_loss = None
         if due_eval or step == r.steps:
@@ -257,6 +316,9 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
             if M > 1:
                 record.update(disagreement(model, comm, val_batches[0][0]))
             record["time/eval_s"] = time.perf_counter() - t_eval
+        reading = meter.stop()  # this round's window: steps, eval and the outer step
+        meter.start()
+        record["energy/label"] = reading.label
         delta = comm.stats.minus(stats_at_round_start)
         means = comm.metric_mean_async(
             [
@@ -266,6 +328,8 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
                 delta.bytes_sent,
                 delta.bytes_received,
                 val_loss if val_loss is not None else 0.0,
+                (reading.joules or 0.0) if meter_counts else 0.0,
+                float(meter_counts and reading.joules is None),
             ]
         )
         # Scalars of round t are logged once round t + 1 has started (or at a checkpoint or the

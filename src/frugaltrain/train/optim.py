@@ -19,7 +19,35 @@ def decay_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter
     return decay, no_decay
 
 
+# optim.name -> FORGE rule (docs/forge.md). FORGE updates each weight inside backward, so the loop
+# calls `opt.backward(loss)` instead of `loss.backward()` + clip + step (see train/loop.py).
+FORGE_RULES = {"forge-adamw": "adamw", "forge-sgd": "sgd", "forge-lion": "lion"}
+
+
+def is_forge(cfg: OptimSection) -> bool:
+    return cfg.name in FORGE_RULES
+
+
 def build_inner_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
+    """torch.optim.AdamW for optim.name = adamw; a FORGE optimizer installed on `model` for
+    forge-adamw / forge-sgd (betas[0] is the momentum) / forge-lion. Both have the same two
+    param groups (decay, no decay), so the LambdaLR schedule and state_dict work the same way.
+    FORGE clips exactly in two backward passes when optim.grad_clip > 0 (one extra backward)."""
+    if is_forge(cfg):
+        from frugaltrain.forge import forge_optimizer
+
+        rule = FORGE_RULES[cfg.name]
+        # eps only matters to adamw; pass a user-set eps through so FORGE warns that it is unused.
+        eps = cfg.eps if rule == "adamw" or cfg.eps != OptimSection().eps else 0.0
+        return forge_optimizer(
+            model,
+            rule,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=eps,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.grad_clip if cfg.grad_clip > 0 else None,
+        )
     decay, no_decay = decay_split(model)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
