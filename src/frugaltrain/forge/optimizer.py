@@ -45,9 +45,18 @@ from frugaltrain.forge._inplace import inplace_variant
 from frugaltrain.forge.linear import _LayerHandle, install_linear, uninstall_linear
 from frugaltrain.forge.rules import RULES, Rule
 
-# id(parameter) -> the ForgeOptimizer whose hooks it carries (one owner at a time). Keyed by id,
-# not by the tensor (tensors compare element-wise); entries go when the parameter is freed.
-_OWNERS: dict[int, ForgeOptimizer] = {}
+# id(parameter) -> a weak reference to the ForgeOptimizer whose hooks it carries (one owner at a
+# time). Keyed by id, not by the tensor (tensors compare element-wise); entries go when the
+# parameter is freed. Weak, so a dropped model and its optimizer can be collected (a strong
+# reference here kept every model ever trained alive: the GPU benchmark ran out of memory).
+_OWNERS: dict[int, weakref.ref] = {}
+
+
+def _owner(p: torch.Tensor) -> ForgeOptimizer | None:
+    ref = _OWNERS.get(id(p))
+    return None if ref is None else ref()
+
+
 TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
 _BACKENDS = ("torch", "triton")
 _STATES = ("fp32", "int8")
@@ -137,6 +146,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
         self.backend = backend
+        self.triton_block = None  # (BV, BH, BK[, warps, stages]); None: the kernel's default
         self.num_skipped_steps = 0
         self._mode = "update"  # "update" | "norm" | "refuse" (clipping set, plain backward)
         if max_grad_norm is not None and accumulation_steps == 1:
@@ -158,7 +168,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                         f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
                         f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
                     )
-        taken = [names.get(p, "?") for p in self._params if id(p) in _OWNERS]
+        taken = [names.get(p, "?") for p in self._params if _owner(p) is not None]
         if taken:
             raise ValueError(
                 f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
@@ -167,7 +177,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
         self._handles, self._hooks = self._install(model, exclude)
         for p in self._params:
-            _OWNERS[id(p)] = self
+            _OWNERS[id(p)] = weakref.ref(self)
             weakref.finalize(p, _OWNERS.pop, id(p), None)
         self._fused = {h.module.weight for h in self._handles}
         self._param_index = {p: i for i, p in enumerate(self._params)}
@@ -207,7 +217,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fused = {h.module.weight for h in handles}
         hooks = []
         for p in self._params:
-            hook = self._fused_weight_hook if p in fused else self._param_hook
+            hook = _weak_hook(self, "_fused_weight_hook" if p in fused else "_param_hook")
             hooks.append(p.register_post_accumulate_grad_hook(hook))
         return handles, hooks
 
@@ -218,7 +228,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         for p in self._params:
-            if _OWNERS.get(id(p)) is self:
+            if _owner(p) is self:
                 del _OWNERS[id(p)]
         self._handles, self._hooks = [], []
 
@@ -274,8 +284,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Called from the fused Linear's backward after dX: dW tile by tile, rule per tile."""
         name = f"{handle.name}.weight"
         self._check_mode(name)
-        if w.dtype != torch.float32 and w.dtype != torch.float64:
-            x_BTH, dy_BTV = x_BTH.float(), dy_BTV.float()  # fp32 accumulation for bf16 weights
+        if w.dtype not in (torch.float32, torch.float64) and (
+            self.backend == "torch" or self.accumulation_steps > 1
+        ):
+            # fp32 accumulation for bf16 weights (the Triton kernel takes bf16 X and dY as they
+            # are: exact products, fp32 accumulator)
+            x_BTH, dy_BTV = x_BTH.float(), dy_BTV.float()
         V = w.shape[0]
         R = self._tile_rows_for(w)
         if self.accumulation_steps > 1:
@@ -288,7 +302,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             return
         if self._mode == "norm":
             if self.backend == "triton":
-                self._sumsq += self._triton.fused_linear_sumsq(dy_BTV, x_BTH)
+                self._sumsq += self._triton.fused_linear_sumsq(dy_BTV, x_BTH, self.triton_block)
                 return
             for r0 in range(0, V, R):
                 g_RH = dy_BTV[:, r0 : r0 + R].t() @ x_BTH
@@ -300,7 +314,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             sr = w.dtype == torch.bfloat16 and self.rounding == "stochastic"
             seed = self._sr_seed(w, state) if sr else None
             self._triton.fused_linear_update(
-                dy_BTV, x_BTH, w, state, self.rule, scalars, self._coef, seed
+                dy_BTV, x_BTH, w, state, self.rule, scalars, self._coef, seed, self.triton_block
             )
             return
         gen = self._sr_generator(w, state)
@@ -512,6 +526,28 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 else v
                 for k, v in s.items()
             }
+
+
+def _weak_hook(opt: ForgeOptimizer, method: str) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook calling `opt.<method>` through a weak reference.
+
+    The hook lives in the parameter's C++ hook table, which the garbage collector cannot
+    traverse, so a bound method there (optimizer -> parameter -> hook -> optimizer) kept every
+    model and optimizer alive for good. The fused Linears' handles still hold the optimizer
+    strongly, so it lives as long as the model; a hook that finds it gone raises.
+    """
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        owner = ref()
+        if owner is None:
+            raise ValueError(
+                "FORGE: the ForgeOptimizer of this parameter was garbage-collected while its "
+                "hooks were installed; keep a reference to it, or call opt.remove() first"
+            )
+        getattr(owner, method)(p)
+
+    return hook
 
 
 def _rows(p: torch.Tensor) -> int:

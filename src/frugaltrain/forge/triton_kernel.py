@@ -7,7 +7,10 @@ path's (rules.py), rebound to the Triton helpers below and jitted.
 
 Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (set before importing triton),
 which CI uses for correctness. fp32 dot products use input_precision="ieee" (no TF32), so the
-kernel matches the torch path to rounding.
+kernel matches the torch path to rounding. Divisions and square roots are Triton's fast ones on a
+GPU (exact under the interpreter): the IEEE-rounded tl.div_rn / tl.sqrt_rn were measured on an
+H100 to change the 20-step AdamW parity only from 5.9e-7 to 5.5e-7 but to slow the kernel by
+4-16% at 512 tokens, so they are not used.
 
 Shapes: BT tokens, V out_features (rows of W), H in_features; BV x BH a W tile, BK a token block.
     dy_BTV (512, 4096) fp32   x_BTH (512, 1024) fp32   w_VH (4096, 1024) fp32 or bf16
@@ -121,8 +124,8 @@ def _requant(x, q_ptr, sc_ptr, idx, sidx, mask, row_mask, SIGNED: tl.constexpr):
 
 @triton.jit
 def _fused_wgrad_kernel(
-    dy_ptr,  # (BT, V) fp32, row-major
-    x_ptr,  # (BT, H) fp32, row-major
+    dy_ptr,  # (BT, V) fp32, or bf16 when X is bf16; row-major
+    x_ptr,  # (BT, H) same dtype as dY, row-major
     w_ptr,  # (V, H) fp32 or bf16, row-major; updated in place
     s1_ptr,  # (V, H) fp32 state, or its 8-bit codes when Q8
     s2_ptr,  # (V, H) second state (unused when NUM_STATES == 1)
@@ -150,6 +153,7 @@ def _fused_wgrad_kernel(
     Q8: tl.constexpr,  # 8-bit states, one scale per (row, BH columns)
     SIGNED1: tl.constexpr,  # s1 is signed (int8 absmax codes) or non-negative (sqrt, uint8)
     SIGNED2: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 products ("ieee", no TF32)
     BV: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
@@ -172,7 +176,10 @@ def _fused_wgrad_kernel(
             mask=(offs_k[:, None] < BT) & (offs_h[None, :] < H),
             other=0.0,
         )
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:  # bf16 x bf16 products are exact in fp32; tensor cores accumulate in fp32
+            acc = tl.dot(a, b, acc)
     g = acc * coef
     mask = (offs_v[:, None] < V) & (offs_h[None, :] < H)
     if MODE == 1:
@@ -206,10 +213,27 @@ def _fused_wgrad_kernel(
         tl.store(w_ptr + idx, w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
+def default_block(dtype: torch.dtype, q8: bool, tokens: int) -> tuple[int, ...]:
+    """(BV, BH, BK, num_warps, num_stages) for a layer whose activations have `dtype`.
+
+    Measured on an H100 (docs/forge.md, benchmarks/forge_gpu.py): 64 x 64 x 32 is the fastest
+    of the tiles tried at 512 tokens in fp32 and bf16; with bf16 at 4096 tokens 64 x 128 x 64
+    runs 1.7x faster. BH stays QBLOCK for 8-bit states (one quantization block per tile row).
+    """
+    if dtype == torch.bfloat16 and not q8 and tokens >= 2048:
+        return (64, 128, 64, 4, 3)
+    return (64, 64, 32, 4, 3)
+
+
 def _launch(dy_BTV, x_BTH, w, s, sc, sumsq, rule, scalars, coef, seed, mode, block):
-    BV, BH, BK = block
-    dy_BTV = dy_BTV.float().contiguous()
-    x_BTH = x_BTH.float().contiguous()
+    BV, BH, BK = block[:3]
+    opts = dict(zip(("num_warps", "num_stages"), block[3:], strict=False))
+    if dy_BTV.is_cuda and dy_BTV.dtype == x_BTH.dtype == torch.bfloat16:
+        # bf16 dot, fp32 accumulator. Not under the interpreter (CPU tensors): its bf16 dot
+        # returns garbage (Triton 3.9), so there both are up-cast like any other dtype.
+        dy_BTV, x_BTH = dy_BTV.contiguous(), x_BTH.contiguous()
+    else:
+        dy_BTV, x_BTH = dy_BTV.float().contiguous(), x_BTH.float().contiguous()
     BT, V = dy_BTV.shape
     H = x_BTH.shape[1]
     grid = (triton.cdiv(V, BV), triton.cdiv(H, BH))
@@ -223,22 +247,28 @@ def _launch(dy_BTV, x_BTH, w, s, sc, sumsq, rule, scalars, coef, seed, mode, blo
         SR=w.dtype == torch.bfloat16 and seed >= 0,
         Q8=sc[0] is not None,
         SIGNED1=signed[0], SIGNED2=signed[1],
-        BV=BV, BH=BH, BK=BK,
+        IEEE=x_BTH.dtype == torch.float32,
+        BV=BV, BH=BH, BK=BK, **opts,
     )  # fmt: skip
 
 
 def fused_linear_update(
-    dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=(64, 64, 32)
+    dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=None
 ) -> None:
     """Update W (V, H) and its states in place from dY and X; seed None: round to nearest.
 
     States are fp32 tensors of W's shape, or 8-bit codes with `<name>_scale` (V, NB) tensors,
     in which case the tile width BH must equal precision.QBLOCK so a tile row is one block.
+    dY and X in bf16 (both, on a GPU) feed the tensor cores with an fp32 accumulator; anything
+    else is up-cast to fp32 and multiplied exactly ("ieee"). block: (BV, BH, BK[, num_warps,
+    num_stages]); None: default_block.
     """
     names = rule.state_names + rule.state_names[-1:]
     s = [state[n] for n in names[:2]]
     q8 = f"{names[0]}_scale" in state
     sc = [state[f"{n}_scale"] for n in names[:2]] if q8 else [None, None]
+    if block is None:
+        block = default_block(x_BTH.dtype, q8, x_BTH.shape[0])
     if q8 and block[1] != QBLOCK:
         raise ValueError(f"FORGE: 8-bit states need a Triton tile width of {QBLOCK} columns")
     for t in (w, *s):
@@ -248,9 +278,11 @@ def fused_linear_update(
     _launch(dy_BTV, x_BTH, w, s, sc, s[0], rule, scalars, coef, seed, 0, block)
 
 
-def fused_linear_sumsq(dy_BTV, x_BTH, block=(64, 64, 32)) -> torch.Tensor:
+def fused_linear_sumsq(dy_BTV, x_BTH, block=None) -> torch.Tensor:
     """Sum of squares of dW = dY^T X, tile by tile, without storing dW (pass 1 of clipping)."""
-    BV, BH, _ = block
+    if block is None:
+        block = default_block(x_BTH.dtype, False, x_BTH.shape[0])
+    BV, BH = block[:2]
     V, H = dy_BTV.shape[1], x_BTH.shape[1]
     sumsq = torch.zeros(triton.cdiv(V, BV) * triton.cdiv(H, BH), device=dy_BTV.device)
     rule = RULES["sgd"]
