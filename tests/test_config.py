@@ -30,6 +30,8 @@ def test_key_set_is_pinned():
             "timeout_s",
             "deterministic_comm",
             "progress",
+            "fault_tolerance",
+            "inject",
         ],
         "data": [
             "path",

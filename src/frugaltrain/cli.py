@@ -24,6 +24,7 @@ from frugaltrain.config import ConfigError
 SUBSYSTEM_COMMANDS = {
     "energy": "frugaltrain.energy.cli",
     "flow": "frugaltrain.flow.cli",
+    "netlab": "frugaltrain.netlab.cli",
     "simulate": "frugaltrain.sim.cli",
     "compare": "frugaltrain.sim.compare",
 }
@@ -55,6 +56,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--name", help="shortcut for --set run.name=NAME")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument(
+        "--inject",
+        help="faults, e.g. 'kill:worker=2,round=5'; turns on run.fault_tolerance (run.inject)",
+    )
 
 
 def _shortcuts(args: argparse.Namespace) -> list[str]:
@@ -76,6 +81,8 @@ def _shortcuts(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None:
             sets.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if getattr(args, "inject", None):
+        sets += ["run.fault_tolerance=true", f"run.inject={args.inject!r}"]
     return sets + list(args.set)
 
 

@@ -60,6 +60,13 @@ class RunSection:
     2 (M-1)/M S bytes per worker."""
     progress: bool = True
     """Show a progress bar on worker 0."""
+    fault_tolerance: bool = False
+    """Membership epochs, deadlines and rejoin (frugaltrain.ft): workers that die or stop
+    answering for run.timeout_s are dropped, restarted ones rejoin from a live peer; local
+    launches only. See docs/fault_tolerance.md."""
+    inject: str = ""
+    """Faults to inject (needs fault_tolerance), ';'-separated: 'kill:worker=2,round=5',
+    'hang:worker=1,round=3', 'slow:worker=1,factor=3', 'drop:p=0.1' (see frugaltrain.ft.inject)."""
 
 
 @dataclass(kw_only=True)
@@ -205,6 +212,19 @@ def validate(cfg: Config) -> None:
     )
     _require(r.device in ("cpu", "cuda"), "run.device", r.device, "choose cpu or cuda")
     _require(r.timeout_s > 0, "run.timeout_s", r.timeout_s, "must be positive")
+    _require(
+        not r.inject or r.fault_tolerance,
+        "run.inject",
+        r.inject,
+        "faults are injected by the fault-tolerant runtime; set run.fault_tolerance = true",
+    )
+    if r.inject:
+        from frugaltrain.ft.inject import parse
+
+        try:
+            parse(r.inject)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _require(d.sharding in ("iid", "noniid"), "data.sharding", d.sharding, "choose iid or noniid")
     _require(
         0 < d.val_fraction < 1,

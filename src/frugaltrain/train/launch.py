@@ -109,6 +109,11 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         finally:
             dist.destroy_process_group()
         return
+    if cfg.run.fault_tolerance and cfg.run.workers > 1:
+        from frugaltrain.ft.launch import run_local
+
+        run_local(cfg, run_dir, resume_from)
+        return
     if cfg.run.workers == 1:
         torch.set_num_threads(_threads(cfg))
         train_worker(cfg, LocalComm(), run_dir, resume_from)

@@ -191,6 +191,33 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         _set_rng_state(state["rng"])
         step, round_idx = state["step"], state["round"]  # step is also the data cursor
 
+    def worker_state() -> dict:
+        """Everything a checkpoint (or a rejoining peer) needs to continue this worker."""
+        return {
+            "model": model.state_dict(),
+            "inner": inner.state_dict(),
+            "schedule": schedule.state_dict(),
+            "outer": strategy.state_dict(),
+            "rng": _rng_state(),
+            "step": step,
+            "round": round_idx,
+        }
+
+    # Fault tolerance (frugaltrain.ft): a restarted worker takes a live peer's state (not its
+    # RNG: dropout stays per worker), injected faults fire per step, joins happen at round ends.
+    ft = comm if hasattr(comm, "on_round_end") else None
+    if ft is not None:
+
+        def load_peer_state(state: dict) -> None:
+            nonlocal step, round_idx
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["inner"])
+            schedule.load_state_dict(state["schedule"])
+            strategy.load_state_dict(state["outer"])
+            step, round_idx = state["step"], state["round"]
+
+        ft.rejoin(load_peer_state, worker_state)
+
     log = MetricsLog(
         run_dir / "metrics.jsonl",
         enabled=is_main,
@@ -280,6 +307,8 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         schedule.step()
         inner.zero_grad(set_to_none=True)
         step += 1
+        if ft is not None:  # an injected straggler computes `factor` times slower, counted here
+            ft.on_step(step, time.perf_counter() - t0 - (comm.stats.blocking_s - blocked0))
         round_compute += time.perf_counter() - t0 - (comm.stats.blocking_s - blocked0)
         round_loss_sum += loss_value
         round_steps += 1
@@ -342,19 +371,19 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         last = step >= r.steps or (stop_round is not None and round_idx >= stop_round)
         if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
             pending = emit_round(pending)
-            state = {
-                "model": model.state_dict(),
-                "inner": inner.state_dict(),
-                "schedule": schedule.state_dict(),
-                "outer": strategy.state_dict(),
-                "rng": _rng_state(),
-                "step": step,
-                "round": round_idx,
-            }
-            checkpoint.save_worker(run_dir, round_idx, rank, state)
+            checkpoint.save_worker(run_dir, round_idx, rank, worker_state())
+            writer = is_main if ft is None else rank == ft.members[0]
+            if ft is not None and writer:
+                # A worker that is down gets a stand-in: the state it would take on rejoining.
+                for absent in sorted(set(range(M)) - set(ft.members)):
+                    checkpoint.save_worker(run_dir, round_idx, absent, worker_state())
             comm.barrier()
-            if is_main:
+            if writer:
                 checkpoint.mark_complete(run_dir, round_idx, step, cfg)
+        if ft is not None:
+            ft.on_round_end(round_idx, worker_state)
+            for rec in ft.drain_events():
+                log.write(rec)
         if stop_round is not None and round_idx >= stop_round:
             break
 

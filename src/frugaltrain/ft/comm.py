@@ -1,0 +1,475 @@
+"""`ElasticComm`: the torch.distributed runtime with membership epochs, deadlines and rejoin.
+
+Engine: torch.distributed's TCPStore (the rendezvous store the launcher hosts, which outlives
+any worker) plus a fresh gloo process group per membership epoch, built over a PrefixStore of
+that epoch. docs/fault_tolerance.md explains why this and not torchft.
+
+How a failure is handled (every worker runs the same code):
+
+    post    every operation (all-reduce, gather, metric, barrier) gets a sequence number; all
+            workers post the same operations in the same order, so number s means the same
+            thing everywhere. Gossip exchanges travel as gathers, so a missing worker breaks an
+            operation for every member alike (never for some only).
+    wait    polls the operation; it fails on a gloo error (a killed peer closes its sockets),
+            on the deadline (run.timeout_s of waiting: a silent or too slow peer), or when
+            another worker has marked the epoch broken in the store.
+    recover mark epoch e broken; the live set is the members whose heartbeat counter (a
+            thread bumps it every 0.2 s) moved within the heartbeat timeout, minus, after a
+            deadline, members that never posted the stuck operation (stragglers); the first
+            worker to write `ep/e+1/members` decides for all (compare-and-set). A worker left
+            out exits with code 75 and the launcher restarts it as a joiner. The others build
+            epoch e+1's gloo group and re-post, in order, every operation from the lowest one
+            any of them still has pending, now over the live set: an all-reduce mean divides by
+            the live count and a mix renormalizes each row over the members that delivered.
+    rejoin  a restarted worker (incarnation > 1) registers in the store; at the next round end
+            the first member to arrive admits it (compare-and-set on that round), all members
+            finish their pending operations and build the next epoch with it, and the lowest
+            old member sends it its whole worker state (outer x and momentum, round, step,
+            inner AdamW and schedule) point to point.
+
+Membership changes are printed with a worker/round prefix and handed to worker 0's metrics log
+as `"kind": "membership"` records.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from frugaltrain.comm import compress
+from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
+from frugaltrain.ft.inject import Injector, fire
+
+EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
+_HB_PERIOD_S = 0.2
+_LOG_KEEP = 8  # completed operations whose inputs are kept for a re-post after a failure
+
+
+def state_digest(state: dict) -> str:
+    """Short hash of a worker state's model and outer parameters (equal iff bitwise equal)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    tensors = list(state["model"].values()) + list(state.get("outer", {}).get("outer", []))
+    for t in tensors:
+        h.update(t.detach().cpu().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _short(e: Exception) -> str:
+    """A gloo error in one line, without the source path gloo puts in front."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    text = text.split("] ", 1)[-1]
+    return text.split(". ", 1)[0][:120]
+
+
+class _Op:
+    """One posted operation: kind in sum/max (all-reduce) or gather; `inputs` are kept so the
+    operation can be posted again in a new epoch."""
+
+    def __init__(self, seq: int, kind: str, inputs: list[torch.Tensor]) -> None:
+        self.seq, self.kind, self.inputs = seq, kind, inputs
+        self.epoch = -1
+        self.members: list[int] = []
+        self.works: list = []
+        self.outputs = None
+        self.done = False
+        self.result = None
+
+
+class ElasticComm(Comm):
+    """Comm whose `members` shrink when workers fail and grow when they rejoin.
+
+    Args:
+        store: the run's TCPStore (hosted by the launcher, not by a worker).
+        rank: this worker's fixed rank (its data shard and its name in logs).
+        world_size: configured number of workers.
+        timeout_s: deadline of every wait (run.timeout_s), seconds.
+        injector: faults to apply to this worker (ft.inject).
+        host, port: where the store listens (the heartbeat thread opens its own client).
+    """
+
+    def __init__(
+        self,
+        store: dist.TCPStore,
+        rank: int,
+        world_size: int,
+        *,
+        timeout_s: float,
+        injector: Injector | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        incarnation: int = 1,
+    ) -> None:
+        super().__init__(deterministic=False)
+        self.store = store
+        self.rank, self.world_size = rank, world_size
+        self.timeout_s = timeout_s
+        self.hb_timeout_s = max(1.0, min(3.0, timeout_s / 4))
+        self.injector = injector
+        self.incarnation = incarnation
+        self.epoch = -1
+        self.pg = None
+        self.seq = 0
+        self.log: list[_Op] = []
+        self.events: list[dict] = []  # membership records for worker 0's metrics log
+        self.round = 0
+        self.dropped = 0
+        self._records_due: list[str] = []
+        self._stop = threading.Event()
+        # Heartbeats start on becoming a member: a restarted worker waiting to rejoin must not
+        # look alive under its rank while the others decide who is left.
+        self._hb = threading.Thread(target=self._beat, args=(host, port), daemon=True)
+        if incarnation == 1:
+            self._new_epoch(0, list(range(world_size)))
+
+    # ---- heartbeats and store helpers
+    def _beat(self, host: str, port: int) -> None:
+        try:
+            client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+            while not self._stop.is_set():
+                client.add(f"ft/hb/{self.rank}", 1)
+                self._stop.wait(_HB_PERIOD_S)
+        except Exception:  # the store went away: the run is over
+            return
+
+    def _has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def _event(self, event: str, **fields) -> None:
+        rec = {"kind": "membership", "event": event, "round": self.round, "epoch": self.epoch}
+        rec.update(fields)
+        rec["members"] = list(self.members)
+        self.events.append(rec)
+        detail = " ".join(f"{k}={v}" for k, v in fields.items())
+        print(
+            f"[worker {self.rank} round {self.round}] membership: {event} {detail} "
+            f"-> members {self.members} (epoch {self.epoch})",
+            flush=True,
+        )
+
+    def drain_events(self) -> list[dict]:
+        out, self.events = self.events, []
+        return out
+
+    def _new_epoch(self, epoch: int, members: list[int]) -> None:
+        if len(members) > 1:
+            pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"ft/pg/{epoch}", self.store),
+                members.index(self.rank),
+                len(members),
+                timedelta(seconds=self.timeout_s),
+            )
+        else:
+            pg = None
+        self.pg, self.epoch, self.members = pg, epoch, list(members)
+        if not self._hb.is_alive() and not self._stop.is_set():
+            self._hb.start()
+
+    # ---- operations
+    def _launch(self, op: _Op) -> None:
+        op.epoch, op.members, op.done = self.epoch, list(self.members), False
+        n = len(op.members)
+        if n == 1:
+            op.works = []
+            op.outputs = op.inputs[0].clone() if op.kind != "gather" else [[p] for p in op.inputs]
+            return
+        if op.kind == "gather":
+            bufs = [[torch.empty_like(p) for _ in range(n)] for p in op.inputs]
+            op.works = [self.pg.allgather([b], [p]) for b, p in zip(bufs, op.inputs, strict=True)]
+            op.outputs = bufs
+            return
+        buf = op.inputs[0].clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX if op.kind == "max" else dist.ReduceOp.SUM
+        op.works = [self.pg.allreduce([buf], opts)]
+        op.outputs = buf
+
+    def _result(self, op: _Op):
+        if op.kind == "gather":
+            return {r: [b[i] for b in op.outputs] for i, r in enumerate(op.members)}
+        return op.outputs, len(op.members)
+
+    def _post(self, kind: str, inputs: list[torch.Tensor]) -> _Op:
+        if self._has(f"ft/ep/{self.epoch}/broken"):
+            self._recover("another worker reported a failure", self.seq, deadline=False)
+        op = _Op(self.seq, kind, [t.detach().clone() for t in inputs])
+        self.seq += 1
+        self.log.append(op)
+        done = [o for o in self.log if o.done]
+        if len(done) > _LOG_KEEP:
+            drop = {id(o) for o in done[: len(done) - _LOG_KEEP]}
+            self.log = [o for o in self.log if id(o) not in drop]
+        self.store.set(f"ft/posted/{self.rank}", str(op.seq))
+        self._launch(op)
+        return op
+
+    def _completed(self, op: _Op) -> bool:
+        return op.done or all(w.is_completed() for w in op.works)
+
+    def _wait(self, op: _Op):
+        while not op.done:
+            t_wait = time.monotonic()
+            next_check = t_wait + 0.05
+            reason, deadline = None, False
+            while reason is None:
+                if all(w.is_completed() for w in op.works):
+                    try:
+                        for w in op.works:
+                            w.wait()
+                    except Exception as e:  # gloo reports a dead peer as a RuntimeError
+                        reason = _short(e)
+                        low = reason.lower()
+                        if "timeout" in low or "timed out" in low:  # gloo's deadline: timeout_s
+                            reason = f"no answer within run.timeout_s = {self.timeout_s:g} s"
+                            deadline = True
+                        break
+                    op.done, op.result = True, self._result(op)
+                    return op.result
+                now = time.monotonic()
+                if now - t_wait > self.timeout_s:
+                    reason = f"no answer within run.timeout_s = {self.timeout_s:g} s"
+                    deadline = True
+                elif now >= next_check:
+                    next_check = now + 0.05
+                    if self._has(f"ft/ep/{op.epoch}/broken"):
+                        reason = "another worker reported a failure"
+                time.sleep(0.001)
+            self._recover(reason, op.seq, deadline)
+        return op.result
+
+    # ---- recovery
+    def _live(self, members: list[int], stuck_seq: int, deadline: bool) -> list[int]:
+        """Members whose heartbeat moves (waiting up to the heartbeat timeout); after a
+        deadline also those that posted operation `stuck_seq` (the rest are stragglers)."""
+        others = [m for m in members if m != self.rank and not self._has(f"ft/finished/{m}")]
+        keys = [f"ft/hb/{m}" for m in others]
+        base = [int(v) for v in self.store.multi_get(keys)] if keys else []
+        live = {self.rank}
+        t0 = time.monotonic()
+        while len(live) < len(others) + 1 and time.monotonic() - t0 < self.hb_timeout_s:
+            time.sleep(0.05)
+            now = [int(v) for v in self.store.multi_get(keys)]
+            live.update(m for m, b, c in zip(others, base, now, strict=True) if c > b)
+        if deadline:
+            for m in list(live - {self.rank}):
+                key = f"ft/posted/{m}"
+                if not self._has(key) or int(self.store.get(key)) < stuck_seq:
+                    live.discard(m)
+        return sorted(live)
+
+    def _recover(self, reason: str, stuck_seq: int, deadline: bool) -> None:
+        e, members = self.epoch, self.members
+        self.store.compare_set(f"ft/ep/{e}/broken", "", reason)
+        while True:
+            key = f"ft/ep/{e + 1}/members"
+            if not self._has(key):
+                live = self._live(members, stuck_seq, deadline)
+                proposal = {"members": live, "reason": reason, "by": self.rank}
+                self.store.compare_set(key, "", json.dumps(proposal))
+            decided = json.loads(self.store.get(key))
+            new = decided["members"]
+            if self.rank not in new:
+                self.epoch = e + 1
+                self._event("evicted", reason=decided["reason"])
+                self._exit(EVICTED_EXIT)
+            if self._has(f"ft/ep/{e + 1}/broken"):  # superseded while we were away
+                e, members = e + 1, new
+                continue
+            try:
+                self._new_epoch(e + 1, new)
+            except Exception as exc:  # a listed member is gone too: one more epoch
+                self.store.compare_set(f"ft/ep/{e + 1}/broken", "", f"group setup: {exc}")
+                e, members = e + 1, new
+                continue
+            break
+        lost = sorted(set(members) - set(new))
+        if lost:
+            self._event("left", workers=lost, reason=decided["reason"])
+        # Restart point: the lowest operation any live member has not completed.
+        low = min((o.seq for o in self.log if not o.done), default=self.seq)
+        self.store.set(f"ft/ep/{self.epoch}/low/{self.rank}", str(low))
+        keys = [f"ft/ep/{self.epoch}/low/{m}" for m in new]
+        self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        start = min(int(v) for v in self.store.multi_get(keys))
+        kept = {o.seq for o in self.log}
+        if any(s not in kept for s in range(start, self.seq)):
+            self._event("evicted", reason=f"cannot replay operations from {start}")
+            self._exit(EVICTED_EXIT)
+        for o in sorted(self.log, key=lambda o: o.seq):
+            if o.seq < start:
+                continue
+            if o.done:  # finished here but not everywhere: take part again, keep our result
+                shadow = _Op(o.seq, o.kind, o.inputs)
+                self._launch(shadow)
+            else:
+                self._launch(o)
+
+    def _exit(self, code: int) -> None:
+        sys.stdout.flush()
+        self._stop.set()
+        os._exit(code)
+
+    # ---- Comm runtime hooks
+    def _all_reduce_sum(self, tensors: list[torch.Tensor], scale: float) -> Handle:
+        op = self._post("sum", [flatten(tensors)])
+
+        def finish() -> None:
+            total, n = self._wait(op)  # mean over whoever took part in the end
+            unflatten_into(total / n, tensors)
+
+        return Handle(self.stats, finish, lambda: self._completed(op))
+
+    def _mix(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
+        members, me = list(self.members), self.position
+        flat = flatten(tensors)
+        wire = compress.wire_bytes(flat.numel(), codec)
+        # Gossip travels as a gather here (see the module docstring): count what really moves.
+        self.stats.bytes_sent += wire * (len(members) - 1)
+        self.stats.bytes_received += wire * (len(members) - 1)
+        op = self._post("gather", compress.encode(flat, codec))
+
+        def finish() -> None:
+            got = self._wait(op)
+            rows, flats = [], []
+            for j, r in enumerate(members):
+                if w[me, j] == 0 or r not in got:
+                    continue
+                if j != me and self.injector and self.injector.dropped(0, op.seq, r, self.rank):
+                    self.dropped += 1
+                    continue
+                rows.append(w[me, j])
+                flats.append(flat if j == me else compress.decode(got[r], codec, flat.numel()))
+            total = sum(rows)  # rows renormalized over the members that delivered
+            unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
+
+        return Handle(self.stats, finish, lambda: self._completed(op))
+
+    def _metric_sum(self, t: torch.Tensor) -> None:
+        t.copy_(self._wait(self._post("sum", [t]))[0])
+
+    def _metric_max(self, t: torch.Tensor) -> None:
+        t.copy_(self._wait(self._post("max", [t]))[0])
+
+    def metric_mean_async(self, values: list[float]) -> Callable[[], list[float]]:
+        op = self._post("sum", [torch.tensor(values, dtype=torch.float64)])
+
+        def result() -> list[float]:
+            total, n = self._wait(op)
+            return (total / n).tolist()
+
+        return result
+
+    def barrier(self) -> None:
+        self._wait(self._post("sum", [torch.zeros(1)]))
+
+    # ---- hooks the training loop calls (train/loop.py)
+    def on_step(self, step: int, compute_s: float) -> None:
+        """After each inner step: injected straggling, kill or hang."""
+        if self.injector is None:
+            return
+        fault = self.injector.on_step(step, compute_s)
+        if fault is not None:
+            print(f"[worker {self.rank} step {step}] injected fault: {fault}", flush=True)
+            if fault == "hang":
+                self._stop.set()  # heartbeats stop with the process
+                time.sleep(2 * _HB_PERIOD_S)
+            fire(fault)
+
+    def on_round_end(self, round_idx: int, state_fn: Callable[[], dict]) -> None:
+        """At a round end: admit restarted workers (same decision on every member) and send
+        them this worker's state if it is the donor."""
+        self.round = round_idx
+        if self.rank == 0:  # the joiners' own records, set before they took part in this round
+            for key in [k for k in self._records_due if self._has(k)]:
+                self.events.append(json.loads(self.store.get(key)))
+                self._records_due.remove(key)
+        raw = self.store.get("ft/joiners") if self._has("ft/joiners") else b""
+        waiting = [t for t in raw.decode().split(",") if t and not self._has(f"ft/admitted/{t}")]
+        decided = self.store.compare_set(f"ft/round/{round_idx}", "", json.dumps(waiting) or "[]")
+        tokens = json.loads(decided)
+        if not tokens:
+            return
+        for o in self.log:  # the old epoch's operations end before the new one starts
+            if not o.done:
+                self._wait(o)
+        joiners = sorted(int(t.split(":")[0]) for t in tokens)
+        old = list(self.members)
+        new = sorted(set(old) | set(joiners))
+        donor = old[0]
+        e = self.epoch + 1
+        info = {"epoch": e, "members": new, "donor": donor, "round": round_idx}
+        if self.rank == donor:
+            for t in tokens:
+                self.store.set(f"ft/admitted/{t}", json.dumps(info))
+        self._new_epoch(e, new)
+        if self.rank == donor:
+            state = state_fn()
+            state["ft_seq"] = self.seq
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            for j in joiners:
+                pos = new.index(j)
+                self.pg.send([size], pos, 1).wait()
+                self.pg.send([payload], pos, 2).wait()
+            self.store.set(f"ft/donor_digest/{round_idx}", state_digest(state))
+        self._event("joined", workers=joiners, donor=donor)
+        self._records_due += [f"ft/record/{t}" for t in tokens]
+
+    def rejoin(self, load: Callable[[dict], None], state_fn: Callable[[], dict]) -> bool:
+        """On a restarted worker: wait for admission, receive a live peer's state and `load` it.
+        Returns False on a first start (nothing to do)."""
+        if self.incarnation == 1:
+            return False
+        token = f"{self.rank}:{self.incarnation}"
+        print(f"[worker {self.rank}] restarted (incarnation {self.incarnation}); asking to rejoin")
+        self.store.append("ft/joiners", token + ",")
+        key = f"ft/admitted/{token}"
+        while not self._has(key):
+            if self._has("ft/done"):
+                print(f"[worker {self.rank}] the run ended before it could rejoin", flush=True)
+                self._exit(0)
+            time.sleep(0.05)
+        info = json.loads(self.store.get(key))
+        self._new_epoch(info["epoch"], info["members"])
+        self.round = info["round"]
+        pos = info["members"].index(info["donor"])
+        size = torch.zeros(1, dtype=torch.int64)
+        self.pg.recv([size], pos, 1).wait()
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.pg.recv([payload], pos, 2).wait()
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        self.seq = state.pop("ft_seq")
+        load(state)
+        mine = state_digest(state_fn())  # what this worker now holds, after loading
+        self.store.wait([f"ft/donor_digest/{self.round}"], timedelta(seconds=self.timeout_s))
+        theirs = self.store.get(f"ft/donor_digest/{self.round}").decode()
+        self._event(
+            "rejoined",
+            worker=self.rank,
+            donor=info["donor"],
+            params_digest=mine,
+            donor_digest=theirs,
+            match=mine == theirs,
+        )
+        self.store.set(f"ft/record/{token}", json.dumps(self.events[-1]))
+        return True
+
+    def close(self, finished: bool = True) -> None:
+        if finished:
+            self.store.set(f"ft/final_members/{self.rank}", json.dumps(self.members))
+            self.store.set(f"ft/finished/{self.rank}", "1")
+            self.store.set("ft/done", "1")
+        self._stop.set()

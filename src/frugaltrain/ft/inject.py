@@ -1,0 +1,109 @@
+"""Fault injection on the real runtime: `run.inject` (or `frugaltrain train --inject`).
+
+Specs are `;`-separated, each `kind:key=value,...`:
+
+    kill:worker=2,round=5      SIGKILL worker 2 halfway through outer round 5 (1-based), once
+    hang:worker=1,round=3      worker 1 stops answering (SIGSTOP, heartbeats included) mid-round 3
+    slow:worker=1,factor=3     worker 1's inner steps take `factor` times their measured time
+                               (it sleeps the difference; without worker=, every worker)
+    drop:p=0.1                 each gossip message a worker receives is dropped with probability p
+                               (deterministic by seed; the receiver renormalizes its row)
+
+Kill and hang fire only in a worker's first incarnation, so a restarted worker does not repeat them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+_KEYS = {"kill": {"worker", "round"}, "hang": {"worker", "round"}, "slow": {"worker", "factor"}}
+_KEYS["drop"] = {"p"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    worker: int = -1
+    round: int = 0
+    factor: float = 1.0
+    p: float = 0.0
+
+
+def parse(spec: str) -> list[Fault]:
+    """Parse a `run.inject` string; ValueError names the bad part and the accepted form."""
+    faults = []
+    for part in filter(None, (s.strip() for s in spec.split(";"))):
+        kind, _, args = part.partition(":")
+        if kind not in _KEYS:
+            raise ValueError(
+                f"run.inject part {part!r}: unknown fault {kind!r}; use kill, hang, slow or drop "
+                "(e.g. 'kill:worker=2,round=5')"
+            )
+        values: dict[str, float] = {}
+        for item in filter(None, (a.strip() for a in args.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or key not in _KEYS[kind]:
+                raise ValueError(
+                    f"run.inject part {part!r}: expected keys {sorted(_KEYS[kind])} as key=value"
+                )
+            values[key] = float(value)
+        needed = _KEYS[kind] - {"worker"} if kind == "slow" else _KEYS[kind]
+        if not needed <= set(values):
+            raise ValueError(f"run.inject part {part!r}: needs {sorted(needed)}")
+        if kind == "drop" and not 0.0 <= values["p"] < 1.0:
+            raise ValueError(f"run.inject part {part!r}: p must be in [0, 1)")
+        if kind == "slow" and values["factor"] < 1.0:
+            raise ValueError(f"run.inject part {part!r}: factor must be >= 1")
+        if kind in ("kill", "hang") and values["round"] < 1:
+            raise ValueError(f"run.inject part {part!r}: round counts from 1")
+        faults.append(
+            Fault(
+                kind,
+                worker=int(values.get("worker", -1)),
+                round=int(values.get("round", 0)),
+                factor=values.get("factor", 1.0),
+                p=values.get("p", 0.0),
+            )
+        )
+    return faults
+
+
+class Injector:
+    """Applies the faults of one worker. `on_step` runs after every inner step."""
+
+    def __init__(self, faults: list[Fault], rank: int, H: int, first_incarnation: bool, seed: int):
+        mine = [f for f in faults if f.worker in (-1, rank)]
+        self.H = H
+        self.slow = max([f.factor for f in mine if f.kind == "slow"], default=1.0)
+        self.drop_p = max([f.p for f in mine if f.kind == "drop"], default=0.0)
+        # A fault "mid-round r" fires after step (r - 1) H + ceil(H / 2).
+        self.stops = {}
+        if first_incarnation:
+            for f in mine:
+                if f.kind in ("kill", "hang"):
+                    self.stops[(f.round - 1) * H + (H + 1) // 2] = f.kind
+        self.seed = seed
+
+    def on_step(self, step: int, compute_s: float) -> str | None:
+        """Sleep for a straggler; return "kill"/"hang" when that fault is due at `step`."""
+        if self.slow > 1.0:
+            time.sleep((self.slow - 1.0) * compute_s)
+        return self.stops.get(step)
+
+    def dropped(self, epoch: int, seq: int, src: int, dst: int) -> bool:
+        """Whether the message src -> dst of operation `seq` is lost (same answer on every run)."""
+        if self.drop_p <= 0.0 or src == dst:
+            return False
+        rng = np.random.default_rng([self.seed, epoch, seq, src, dst, 0xD20])
+        return bool(rng.random() < self.drop_p)
+
+
+def fire(kind: str) -> None:
+    """Kill or freeze this process (the injected fault, not an error path)."""
+    sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+    os.kill(os.getpid(), sig)
