@@ -50,6 +50,36 @@ def check_data(cfg: Config) -> None:
     BatchSampler(corpus.val, d.seq_len, d.batch_size, 0)
 
 
+def under_torchrun() -> bool:
+    """True in a process started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
+
+
+def _join_torchrun(cfg: Config) -> None:
+    """Initialize the default process group from torchrun's environment (env://)."""
+    dist.init_process_group(_backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
+    if dist.get_world_size() != cfg.run.workers:
+        raise ConfigError(
+            f"run.workers = {cfg.run.workers} but torchrun started "
+            f"{dist.get_world_size()} processes; make them equal"
+        )
+
+
+def _shared_run_dir(cfg: Config) -> Path:
+    """One run directory for all torchrun ranks: rank 0 picks it (runs/NAME, or NAME-1 ... if
+    taken) and sends the path to the others, who create it too: on a second machine without a
+    shared file system it then holds that machine's workers' checkpoints."""
+    group = dist.new_group(backend="gloo")  # a CPU group, whatever the training backend
+    path = [str(new_run_dir(cfg)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0, group=group)
+    dist.destroy_process_group(group)
+    run_dir = Path(path[0])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def _threads(cfg: Config) -> int:
     return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
 
@@ -92,22 +122,14 @@ def _run_process(rank: int, cfg_toml: str, run_dir: str, port: int, resume: str 
 
 
 def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
-    """Run all workers of `cfg` to completion on this machine (or this torchrun rank)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    """Run all workers of `cfg` to completion on this machine (or this torchrun rank; the
+    process group is then already initialized by `train_from_cli`)."""
+    if under_torchrun():
         from frugaltrain.comm.torchdist import TorchDistComm
 
-        dist.init_process_group(_backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
-        if dist.get_world_size() != cfg.run.workers:
-            raise ConfigError(
-                f"run.workers = {cfg.run.workers} but torchrun started "
-                f"{dist.get_world_size()} processes; make them equal"
-            )
-        try:
-            train_worker(
-                cfg, TorchDistComm(deterministic=cfg.run.deterministic_comm), run_dir, resume_from
-            )
-        finally:
-            dist.destroy_process_group()
+        train_worker(
+            cfg, TorchDistComm(deterministic=cfg.run.deterministic_comm), run_dir, resume_from
+        )
         return
     if cfg.run.fault_tolerance and cfg.run.workers > 1:
         from frugaltrain.ft.launch import run_local
@@ -152,23 +174,33 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
                 f"--resume {resume}: no complete checkpoint under "
                 f"{run_dir / 'checkpoints'}; start a new run instead"
             )
+        if under_torchrun():  # every rank was given the same directory
+            _join_torchrun(cfg)
         return cfg, run_dir, ckpt
     cfg = load_config(config_path, overrides)
     check_data(cfg)
-    run_dir = new_run_dir(cfg)
-    return cfg, run_dir, None
+    if under_torchrun():
+        _join_torchrun(cfg)
+        return cfg, _shared_run_dir(cfg), None
+    return cfg, new_run_dir(cfg), None
 
 
 def train_from_cli(config_path: str | None, overrides: list[str], resume: str | None) -> int:
     from frugaltrain.metrics.report import report
 
+    torchrun = under_torchrun()
     cfg, run_dir, ckpt = prepare(config_path, overrides, resume)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine: what --resume reads there
+        (run_dir / "config.toml").write_text(to_toml(cfg))
     if is_rank0:
         where = f", resuming from {ckpt.name}" if ckpt else ""
         print(f"run dir: {run_dir} ({cfg.outer.strategy}, {cfg.run.workers} workers{where})")
-    run(cfg, run_dir, ckpt)
+    try:
+        run(cfg, run_dir, ckpt)
+    finally:
+        if torchrun:
+            dist.destroy_process_group()
     if is_rank0:
         report(run_dir)
     return 0

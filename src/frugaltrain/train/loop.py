@@ -141,11 +141,10 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def open_energy_meter(device: torch.device, rank: int):
+def open_energy_meter(device: torch.device, local_rank: int):
     """Start this worker's energy meter; returns (meter, whether its readings count towards the
     run's total). See the module docstring for the attribution rule."""
     meter = open_meter(str(device) if device.type == "cuda" else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
     if isinstance(meter, RaplMeter):
         counts = local_rank == 0
     elif device.type == "cuda":
@@ -162,8 +161,9 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     r, d = cfg.run, cfg.data
     rank, M = comm.rank, comm.world_size
     is_main = rank == 0
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
     device = worker_device(cfg, rank)
-    meter, meter_counts = open_energy_meter(device, rank)
+    meter, meter_counts = open_energy_meter(device, local_rank)
 
     # ---- data: this worker's shard, and fixed validation batches shared by all workers
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
@@ -372,7 +372,9 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
             pending = emit_round(pending)
             checkpoint.save_worker(run_dir, round_idx, rank, worker_state())
-            writer = is_main if ft is None else rank == ft.members[0]
+            # COMPLETE goes next to the files of each machine's workers (local rank 0 under
+            # torchrun, so a machine without a shared file system can resume too).
+            writer = local_rank == 0 if ft is None else rank == ft.members[0]
             if ft is not None and writer:
                 # A worker that is down gets a stand-in: the state it would take on rejoining.
                 for absent in sorted(set(range(M)) - set(ft.members)):
