@@ -26,10 +26,22 @@ def test_simulate_and_compare(text_dir, tmp_path, capsys):
     assert main(["simulate", *args, "--out", str(tmp_path / "one")]) == 0
     rec = json.loads((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rec["clock"] == "simulated" and rec["util/compute"] == 1 / 3
+    assert rec["energy/label"].startswith("estimated (simulated clock:")
+    assert rec["energy/comm_j"] > 0 and rec["flops/label"] == "estimated (analytic)"
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["energy/joules"] > 0 and summary["flops/train"] > 0
+    printed = capsys.readouterr().out
+    assert f"energy (simulated cluster) {summary['energy/joules'] / 1e3:.4g} kJ" in printed
+    assert summary["energy/label"] in printed and "training FLOPs" in printed
     out = tmp_path / "cmp"
     assert main(["compare", *args, "--methods", "diloco,GlobalM1", "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "simulated" in md and "| GlobalM1 | 1 |" in md
+    assert "| energy (est., sim. kJ) | comm share of energy (%) |" in md
+    assert f"`{summary['energy/label']}`: an estimate on the simulated clock" in md
+    row = next(line for line in md.splitlines() if line.startswith("| diloco | 1 |"))
+    # The diloco run has the same clock and bytes as "one", so the same energy.
+    assert row.split(" | ")[7] == f"{summary['energy/joules'] / 1e3:.4g}"
     for png in ("loss_vs_tokens", "loss_vs_time", "utilization", "bytes", "consensus", "pareto"):
         assert (out / f"{png}.png").stat().st_size > 0
     assert main(["simulate", "--set", "sim.drop_prob=2"]) == 2

@@ -39,8 +39,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = {k: v for k, v in result.summary.items() if k != "events"}
     print(json.dumps(s, indent=1))
+    print(energy_line(result.summary))
     print(f"metrics: {out / 'metrics.jsonl'} (all times simulated)")
     return 0
+
+
+def energy_line(s: dict) -> str:
+    """One readable line: the simulated cluster's estimated energy and its parts, the analytic
+    FLOPs, and what the simulation itself cost this host."""
+    total = s["energy/joules"]
+    share = f"{100 * s['energy/comm_j'] / total:.3g}%" if total > 0 else "-"
+    host = s.get("energy/host_joules")
+    host_j = "-" if host is None else f"{host:.4g} J"
+    return (
+        f"energy (simulated cluster) {total / 1e3:.4g} kJ = compute "
+        f"{s['energy/compute_j'] / 1e3:.4g} kJ + idle {s['energy/idle_j'] / 1e3:.4g} kJ "
+        f"+ comm {s['energy/comm_j']:.4g} J "
+        f"({share} comm), {s['energy/label']}; training FLOPs {s['flops/train']:.4g} "
+        f"({s['flops/label']}); this host: {host_j} ({s['energy/host_label']})"
+    )
 
 
 if __name__ == "__main__":

@@ -83,13 +83,25 @@ def _load(out: Path, methods: list[str]) -> dict[str, list[tuple[dict, list[dict
     return runs
 
 
-def _ms(values: list[float]) -> str:
+def _ms(values: list[float], fmt: str = ".4f") -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
     if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}}"
+
+
+def _kj(s: dict) -> float | None:
+    """The simulated cluster's estimated energy in kJ (None for a run from before the estimate)."""
+    return s["energy/joules"] / 1e3 if "energy/joules" in s else None
+
+
+def _comm_share(s: dict) -> float | None:
+    """Communication's share of the simulated cluster's estimated energy, in %."""
+    if s.get("energy/joules") is None or s.get("energy/comm_j") is None:
+        return None  # a run from before the energy estimate: no figure, not a zero
+    return 100 * s["energy/comm_j"] / s["energy/joules"] if s["energy/joules"] > 0 else None
 
 
 def time_to_target(recs: list[dict], key: str, target: float) -> float | None:
@@ -131,6 +143,8 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
                 _ms([s["time/sim_s"] for s in sums]),
                 _ms([s["comm/bytes_sent_per_worker"] / 1e6 for s in sums]),
                 _ms([s["consensus/total"] for s in sums]),
+                _ms([_kj(s) for s in sums], ".4g"),
+                _ms([_comm_share(s) for s in sums], ".3g"),
                 _ms([t for t in ttt if t is not None]) + ("" if all(ttt) else " (not all)"),
             )
         )
@@ -155,11 +169,22 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
     last_col = f"time to {key} <= {target:.4f} (sim. s)" if target else "-"
     md += [
         f"| method | seeds | final {key} | utilization (sim.) | wall (sim. s) | MB sent/worker "
-        f"| consensus dist. | {last_col} |",
-        "|---|---|---|---|---|---|---|---|",
+        "| consensus dist. | energy (est., sim. kJ) | comm share of energy (%) "
+        f"| {last_col} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     md += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     md.append("")
+    labels = sorted(
+        {s["energy/label"] for rs in runs.values() for s, _ in rs if "energy/label" in s}
+    )
+    if labels:
+        md += [
+            "Energy is the simulated cluster's, all workers together, "
+            + "; ".join(f"`{label}`" for label in labels)
+            + ": an estimate on the simulated clock, not a measurement.",
+            "",
+        ]
 
     def curve(ax, xkey, ykey):
         for m, rs in runs.items():

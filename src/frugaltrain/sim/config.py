@@ -2,7 +2,7 @@
 
 A simulate config is an ordinary training config (run, data, model, optim, outer) plus this
 table; `load_sim_config` splits the two, so `--set sim.ratio=0.887` and `--set outer.H=20` both
-work. Times are simulated seconds, bandwidths bits per second.
+work. Times are simulated seconds, bandwidths bits per second, powers watts.
 """
 
 from __future__ import annotations
@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frugaltrain.config import Config, ConfigError, build_config, read_toml
+
+DEFAULT_LINK_J_PER_BYTE = 5e-9
+"""Placeholder network energy, J per byte sent: an order-of-magnitude figure (a 100 Gb/s NIC
+port draws roughly 10-20 W at 12.5 GB/s, about 1-2 nJ/B at each end, plus a switch port). The
+research note gives no per-byte figure and our fits never measured e_X (docs/energy.md), so the
+energy label marks it as a placeholder while it is in use."""
 
 
 @dataclass(kw_only=True)
@@ -56,6 +62,17 @@ class SimSection:
     """Virtual workers computing at once (one OS thread each; about the number of cores)."""
     fault_seed: int = 0
     """Seeds straggler, drop and lognormal draws (independent of run.seed)."""
+    compute_w: float = 700.0
+    """Power of one simulated device while it computes, in W (energy estimate only). Default:
+    the H100 SXM board limit, which its measured GEMM reached (docs/energy.md section 3:
+    0.86 pJ/FLOP x 677 TFLOP/s above 120 W idle); training steps there averaged 120-650 W, so
+    this is an upper figure."""
+    idle_w: float = 120.0
+    """Power of one simulated device while it is blocked in communication, in W. Default: the
+    H100's measured idle power (118 and 122 W, docs/energy.md section 3)."""
+    link_j_per_byte: float = DEFAULT_LINK_J_PER_BYTE
+    """Network energy per byte sent, in J/B (both NICs and the switch). Default: a placeholder
+    (see DEFAULT_LINK_J_PER_BYTE), not a measurement; set it for your network."""
 
 
 def validate_sim(s: SimSection, cfg: Config) -> None:
@@ -106,6 +123,8 @@ def validate_sim(s: SimSection, cfg: Config) -> None:
     if s.crash_worker >= 0:
         need(M >= 2, "crash_worker", s.crash_worker, "a crash needs run.workers >= 2")
         need(s.crash_rounds >= 1, "crash_rounds", s.crash_rounds, "must be >= 1 with a crash")
+    for key in ("compute_w", "idle_w", "link_j_per_byte"):
+        need(getattr(s, key) >= 0, key, getattr(s, key), "must be >= 0")
     need(s.compute_threads >= 1, "compute_threads", s.compute_threads, "must be >= 1")
     if cfg.optim.name != "adamw" or cfg.run.device != "cpu":
         raise ConfigError(
@@ -117,6 +136,18 @@ def validate_sim(s: SimSection, cfg: Config) -> None:
             f"model.dropout = {cfg.model.dropout}: the simulator runs workers as threads that "
             "share torch's global RNG, so dropout would not be reproducible; set model.dropout = 0"
         )
+
+
+def energy_label(s: SimSection) -> str:
+    """Provenance of the simulated cluster's energy: an estimate on the simulated clock, with the
+    figures it used (the placeholder per-byte figure is named as such)."""
+    link = f"{s.link_j_per_byte:g} J/B"
+    if s.link_j_per_byte == DEFAULT_LINK_J_PER_BYTE:
+        link += " placeholder"
+    return (
+        f"estimated (simulated clock: compute s x {s.compute_w:g} W + blocking s x "
+        f"{s.idle_w:g} W + bytes sent x {link})"
+    )
 
 
 def load_sim_config(

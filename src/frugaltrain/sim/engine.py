@@ -11,6 +11,18 @@ round's bookkeeping single-threaded: metrics, rollback, crash and rejoin.
 Batching all workers into one vmapped step was measured and rejected for this model size
 (benchmarks/sim_scale.py): torch has no vmap rule for CPU flash attention and falls back to a
 per-sample loop, slower than threads.
+
+Energy and FLOPs (per round record, summed in the summary; keys as in train/loop.py):
+    energy/compute_j, energy/idle_j, energy/comm_j = the simulated cluster's estimated energy:
+        simulated compute seconds x sim.compute_w, simulated blocking seconds x sim.idle_w and
+        model-counted bytes sent x sim.link_j_per_byte, summed over the live workers;
+        energy/joules is their total, energy/label says it is an estimate and gives the figures.
+        Not counted: a crashed worker's down time, its rejoin transfer (not in comm/bytes_sent
+        either), and a worker's time after its last operation while slower ones finish.
+    flops/train = analytic forward + backward FLOPs of the inner steps the workers ran
+        (energy.transformer_train_flops; rolled-back steps included: they were computed).
+    energy/host_joules, energy/host_label (summary only) = this process's own energy from
+        energy.open_meter: what simulating cost on this host, not the simulated cluster.
 """
 
 from __future__ import annotations
@@ -27,15 +39,18 @@ import torch
 
 from frugaltrain.config import Config, to_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
+from frugaltrain.energy.meter import open_meter
+from frugaltrain.energy.proxies import transformer_train_flops
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.outer.params import group_of
-from frugaltrain.sim.config import SimSection
+from frugaltrain.sim.config import SimSection, energy_label
 from frugaltrain.sim.network import build_network
 from frugaltrain.sim.world import SimComm, SimWorld
 from frugaltrain.train.loop import build_model, build_strategy, evaluate
 from frugaltrain.train.optim import build_inner_optimizer, build_schedule
 
 GROUPS = ("embed", "blocks", "head", "other")
+ENERGY_KEYS = ("energy/compute_j", "energy/idle_j", "energy/comm_j", "energy/joules")
 
 
 @dataclass
@@ -73,6 +88,8 @@ class _Sim:
     def __init__(self, cfg: Config, sim: SimSection, run_dir: Path | None) -> None:
         r, d = cfg.run, cfg.data
         self.cfg, self.sim, self.run_dir = cfg, sim, run_dir
+        self.host_meter = open_meter("cpu")  # this process, setup included
+        self.host_meter.start()
         M = self.M = r.workers
         corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
         val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
@@ -110,6 +127,12 @@ class _Sim:
         self.log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
         self.round = 0
         self.step = 0
+        m = cfg.model
+        tokens_per_step = d.batch_size * d.seq_len
+        self.flops_per_step = transformer_train_flops(
+            m.n_layer, m.n_embd, m.n_head, d.seq_len, m.vocab_size, tokens_per_step
+        )
+        self.energy_label = energy_label(sim)
         self.t0 = time.perf_counter()
         self._prev = self._totals()
         self._snapshots: list | None = None
@@ -302,6 +325,12 @@ class _Sim:
         d = {k: [now[k][i] - prev[k][i] for i in live] for k in now}
         compute, blocking = sum(d["compute"]), sum(d["blocking"])
         steps_done = sum(self.workers[i].steps for i in live)
+        s = self.sim
+        energy = {
+            "energy/compute_j": compute * s.compute_w,
+            "energy/idle_j": blocking * s.idle_w,
+            "energy/comm_j": sum(d["sent"]) * s.link_j_per_byte,
+        }
         rec = {
             "kind": "round",
             "round": self.round,
@@ -325,6 +354,11 @@ class _Sim:
             "faults/rollbacks": self.counts["rollbacks"],
             "faults/rolled_back": rolled_back,
             "time/real_s": time.perf_counter() - self.t0,
+            **energy,
+            "energy/joules": sum(energy.values()),
+            "energy/label": self.energy_label,
+            "flops/train": self.flops_per_step * steps_done,
+            "flops/label": "estimated (analytic)",
         }
         for i in live:
             self.workers[i].loss_sum, self.workers[i].steps = 0.0, 0
@@ -369,6 +403,14 @@ class _Sim:
         evals = [r for r in recs if "loss/val" in r]
         compute, blocking = sum(wd.compute_s), sum(wd.blocking_s)
         last = evals[-1] if evals else {}
+        host = self.host_meter.stop()
+        energy = {k: sum(r[k] for r in recs) for k in ENERGY_KEYS}
+        energy["energy/label"] = self.energy_label
+        energy["flops/train"] = sum(r["flops/train"] for r in recs)
+        energy["flops/label"] = "estimated (analytic)"
+        if host.joules is not None:  # unavailable: the label says why, and no number
+            energy["energy/host_joules"] = host.joules
+        energy["energy/host_label"] = host.label
         return {
             "strategy": self.cfg.outer.strategy,
             "workers": self.M,
@@ -390,6 +432,7 @@ class _Sim:
             "events": wd.events[:200],
             "time/real_s": time.perf_counter() - self.t0,
             "bandwidth_Bps": wd.net.B[:4],
+            **energy,
         }
 
 
