@@ -31,6 +31,11 @@ def test_simulate_and_compare(text_dir, tmp_path, capsys):
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["energy/joules"] > 0 and summary["flops/train"] > 0
     printed = capsys.readouterr().out
+    # `report` re-renders a simulated run too, and keeps the simulator's own summary.json.
+    before = (tmp_path / "one" / "summary.json").read_text()
+    assert main(["report", str(tmp_path / "one")]) == 0
+    assert (tmp_path / "one" / "summary.json").read_text() == before
+    assert "compute utilization (simulated)" in capsys.readouterr().out
     assert f"energy (simulated cluster) {summary['energy/joules'] / 1e3:.4g} kJ" in printed
     assert summary["energy/label"] in printed and "training FLOPs" in printed
     out = tmp_path / "cmp"

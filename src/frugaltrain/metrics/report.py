@@ -37,7 +37,8 @@ def summarize(records: list[dict]) -> dict:
     evals = [r for r in rounds if "consensus/total" in r]
     if evals:
         out["consensus/total_last"] = evals[-1]["consensus/total"]
-        out["disagreement/logit_js_last"] = evals[-1]["disagreement/logit_js"]
+        if "disagreement/logit_js" in evals[-1]:  # simulated runs measure consensus only
+            out["disagreement/logit_js_last"] = evals[-1]["disagreement/logit_js"]
     # Energy and FLOPs are per round; the run's figure is their sum. One round without a reading
     # makes the total unavailable (its label says why) rather than a silent undercount.
     labels = [r["energy/label"] for r in rounds if "energy/label" in r]
@@ -80,6 +81,7 @@ def format_summary(summary: dict) -> str:
     ]
     if "consensus/total_last" in summary:
         rows.append(("consensus distance (last eval)", _fmt(summary["consensus/total_last"])))
+    if "disagreement/logit_js_last" in summary:
         rows.append(("logit JS vs averaged model", _fmt(summary["disagreement/logit_js_last"])))
     if "energy/label" in summary:
         rows.append((f"energy J ({summary['energy/label']})", _fmt(summary.get("energy/joules"))))
@@ -128,7 +130,9 @@ def plot_losses(records: list[dict], path: Path, title: str = "") -> Path:
 
 
 def report(run_dir: str | Path, quiet: bool = False) -> dict:
-    """Re-render summary.json, the summary table and loss.png from RUN_DIR/metrics.jsonl."""
+    """Re-render summary.json, the summary table and loss.png from RUN_DIR/metrics.jsonl.
+    A simulated run's summary.json is the simulator's own (loss floor, faults, cluster energy)
+    and is kept; the table is still printed from the records."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
@@ -137,7 +141,8 @@ def report(run_dir: str | Path, quiet: bool = False) -> dict:
         raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory from `train`")
     records = read_metrics(metrics)
     summary = summarize(records)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if summary.get("clock") != "simulated":
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     title = f"{summary.get('strategy')} x{summary.get('workers')} ({run_dir.name})"
     plot = plot_losses(records, run_dir / "loss.png", title)
     if not quiet:
