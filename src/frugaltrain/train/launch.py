@@ -122,14 +122,19 @@ def _run_process(rank: int, cfg_toml: str, run_dir: str, port: int, resume: str 
 
 
 def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
-    """Run all workers of `cfg` to completion on this machine (or this torchrun rank; the
-    process group is then already initialized by `train_from_cli`)."""
+    """Run all workers of `cfg` to completion on this machine (or this torchrun rank)."""
     if under_torchrun():
         from frugaltrain.comm.torchdist import TorchDistComm
 
-        train_worker(
-            cfg, TorchDistComm(deterministic=cfg.run.deterministic_comm), run_dir, resume_from
-        )
+        owns_group = not dist.is_initialized()  # train_from_cli joins first; netlab workers don't
+        if owns_group:
+            _join_torchrun(cfg)
+        try:
+            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
+            train_worker(cfg, comm, run_dir, resume_from)
+        finally:
+            if owns_group:
+                dist.destroy_process_group()
         return
     if cfg.run.fault_tolerance and cfg.run.workers > 1:
         from frugaltrain.ft.launch import run_local
