@@ -1,4 +1,5 @@
 import dataclasses
+import warnings
 
 import pytest
 
@@ -160,3 +161,13 @@ def test_every_example_config_loads():
             cfg = load_config(path)
         strategies.add(cfg.outer.strategy)
     assert strategies == {"ddp", "diloco", "fgd", "noloco", "streaming"}
+
+
+def test_outer_keys_the_strategy_ignores_are_warned_about(make_config):
+    with pytest.warns(UserWarning, match=r"outer.codec = 'int8'.*no effect with outer.strategy"):
+        make_config("outer.strategy=diloco", "outer.codec=int8")
+    with pytest.warns(UserWarning, match=r"outer.mix2 = 'pairs'"):
+        make_config("outer.strategy=noloco", "outer.mix2=pairs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same keys where they are read: silent
+        make_config("outer.strategy=fgd", "outer.codec=int8", "outer.mix2=pairs")

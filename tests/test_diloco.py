@@ -129,9 +129,14 @@ def test_resume_refuses_mismatch_and_corruption(make_config):
     cfg = make_config("run.steps=12", "run.checkpoint_every=1")
     run_dir = _start(cfg)
     train_worker(cfg, LocalComm(), run_dir)
-    changed, _, ckpt = prepare(None, ["model.n_embd=64"], str(run_dir))
+    # Refused in prepare, before any worker process starts, and again by each worker.
     with pytest.raises(ConfigError, match="different model/data/optim/outer config"):
-        checkpoint.load_worker(ckpt, 0, changed)
+        prepare(None, ["model.n_embd=64"], str(run_dir))
+    with pytest.raises(ConfigError, match=r"written by 1 workers but run.workers = 2"):
+        prepare(None, ["run.workers=2"], str(run_dir))
+    changed = make_config("run.steps=12", "run.checkpoint_every=1", "model.n_embd=64")
+    with pytest.raises(ConfigError, match="different model/data/optim/outer config"):
+        checkpoint.load_worker(checkpoint.latest_complete(run_dir), 0, changed)
     latest = checkpoint.latest_complete(run_dir)
     (latest / "worker_0.pt").write_bytes(b"not a checkpoint")
     same, _, ckpt = prepare(None, [], str(run_dir))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,6 +350,38 @@ def validate(cfg: Config) -> None:
             "outer.fragments",
             o.fragments,
             f"must divide outer.H = {o.H} so fragments fire at offsets k H / P",
+        )
+    _warn_unused_outer_keys(o)
+
+
+# The [outer] keys each strategy reads (build_strategy in train/loop.py).
+_OUTER_KEYS_READ = {
+    "ddp": {"strategy", "H"},
+    "diloco": {"strategy", "H", "lr", "momentum", "nesterov"},
+    "fgd": {
+        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "preset"),
+        *("mix1", "mix2", "mix2_params", "momentum_policy"),
+    },
+    "noloco": {"strategy", "H", "lr", "momentum", "codec", "group_size", "consensus_pull"},
+    "streaming": {
+        *("strategy", "H", "lr", "momentum", "nesterov", "codec"),
+        *("fragments", "overlap", "merge_alpha"),
+    },
+}
+
+
+def _warn_unused_outer_keys(o: OuterSection) -> None:
+    """Warn (once per process and key set) about [outer] keys set away from their default that
+    the chosen strategy never reads, e.g. outer.codec with diloco (its all-reduce is fp32)."""
+    unused = [
+        f"outer.{f.name} = {getattr(o, f.name)!r}"
+        for f in dataclasses.fields(o)
+        if f.name not in _OUTER_KEYS_READ[o.strategy] and getattr(o, f.name) != f.default
+    ]
+    if unused:
+        warnings.warn(
+            f"{', '.join(unused)}: no effect with outer.strategy = {o.strategy!r}; drop it",
+            stacklevel=2,
         )
 
 

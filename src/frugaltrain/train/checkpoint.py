@@ -68,8 +68,9 @@ def latest_complete(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_worker(ckpt_dir: Path, rank: int, cfg: Config) -> dict[str, Any]:
-    """Load worker `rank`'s state from `ckpt_dir`, refusing mismatched or corrupt checkpoints."""
+def check_resumable(ckpt_dir: Path, cfg: Config) -> dict:
+    """The COMPLETE marker of `ckpt_dir` if `cfg` can resume from it; a ConfigError naming the
+    mismatch otherwise. Called before any worker starts, and again by each worker."""
     meta_path = ckpt_dir / "COMPLETE"
     try:
         meta = json.loads(meta_path.read_text())
@@ -85,6 +86,12 @@ def load_worker(ckpt_dir: Path, rank: int, cfg: Config) -> dict[str, Any]:
             f"checkpoint {ckpt_dir} was written with a different model/data/optim/outer config or "
             "seed than the one given; resume without changing those sections"
         )
+    return meta
+
+
+def load_worker(ckpt_dir: Path, rank: int, cfg: Config) -> dict[str, Any]:
+    """Load worker `rank`'s state from `ckpt_dir`, refusing mismatched or corrupt checkpoints."""
+    check_resumable(ckpt_dir, cfg)
     path = ckpt_dir / f"worker_{rank}.pt"
     try:
         return torch.load(path, map_location="cpu", weights_only=False)

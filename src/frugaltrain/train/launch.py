@@ -179,6 +179,7 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
                 f"--resume {resume}: no complete checkpoint under "
                 f"{run_dir / 'checkpoints'}; start a new run instead"
             )
+        checkpoint.check_resumable(ckpt, cfg)  # here, not in N worker tracebacks
         if under_torchrun():  # every rank was given the same directory
             _join_torchrun(cfg)
         return cfg, run_dir, ckpt

@@ -132,13 +132,18 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     return total
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":  # dropout on a GPU draws from that device's generator
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def open_energy_meter(device: torch.device, local_rank: int):
@@ -188,7 +193,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         inner.load_state_dict(state["inner"])
         schedule.load_state_dict(state["schedule"])
         strategy.load_state_dict(state["outer"])
-        _set_rng_state(state["rng"])
+        _set_rng_state(state["rng"], device)
         step, round_idx = state["step"], state["round"]  # step is also the data cursor
 
     def worker_state() -> dict:
@@ -198,7 +203,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
             "inner": inner.state_dict(),
             "schedule": schedule.state_dict(),
             "outer": strategy.state_dict(),
-            "rng": _rng_state(),
+            "rng": _rng_state(device),
             "step": step,
             "round": round_idx,
         }
