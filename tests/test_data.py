@@ -12,11 +12,20 @@ def test_stdlib_corpus_is_real_and_deterministic():
     assert b"def " in bytes(a.train[:200_000].tolist())
 
 
-def test_split_is_disjoint_by_document(text_dir):
+def test_split_is_disjoint_by_document(text_dir, tmp_path):
     c = load_corpus(str(text_dir), val_fraction=0.2)
     assert len(c.val) > 0 and len(c.train) > 4 * len(c.val) // 2
     total = sum(p.stat().st_size for p in text_dir.iterdir())
     assert len(c.train) + len(c.val) == total
+    # Documents that can be told apart: each one lands whole in exactly one side.
+    docs = {f"d{i:02d}.txt": f"<doc {i:02d}> ".encode() * 50 for i in range(30)}
+    for name, body in docs.items():
+        (tmp_path / name).write_bytes(body)
+    c = load_corpus(str(tmp_path), val_fraction=0.2)
+    train, val = bytes(c.train.tolist()), bytes(c.val.tolist())
+    sides = [(body in train) + 2 * (body in val) for body in docs.values()]
+    assert set(sides) == {1, 2}  # each document in train (1) or val (2), never both or split
+    assert sides.count(2) >= 2 and len(train) + len(val) == sum(map(len, docs.values()))
 
 
 def test_shards_partition_the_stream():
