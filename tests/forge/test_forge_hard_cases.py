@@ -1,4 +1,5 @@
-"""The hard cases, handled loudly: clipping, accumulation, tied and reused weights, fp16."""
+"""The hard cases, handled loudly: clipping, accumulation, tied and reused weights, fp16,
+autocast and loss scaling, Linear subclasses, param groups."""
 
 from __future__ import annotations
 
@@ -155,14 +156,75 @@ def test_fp16_weights_are_refused():
         ForgeOptimizer(nn.Linear(4, 4).half(), lr=1e-3)
 
 
+def _snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model: nn.Module, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 @pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
-def test_grad_scaler_is_refused():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grad_scaler_is_refused_before_any_update(kit, autocast):
+    """The AMP recipe (fp16 autocast + GradScaler) stops in the forward; a scaler on a model
+    without autocast stops in scaler.scale(loss). Either way before the backward: no weight and
+    no optimizer state is touched."""
+    model = kit.make_gpt(torch.float32, n_layer=1)
+    opt = ForgeOptimizer(model, kit.forge_groups(model, "adamw"), **kit.HYPER["adamw"])
+    before = _snapshot(model)
+    scaler = torch.amp.GradScaler("cpu")
+    ((x, y),) = kit.batches(1)
+    if autocast:
+        with pytest.raises(ValueError, match="autocast.*no weight was updated"):
+            with torch.autocast("cpu", dtype=torch.float16):
+                scaler.scale(model(x, y)[1]).backward()
+    else:
+        loss = model(x, y)[1]
+        with pytest.raises(ValueError, match="GradScaler.*no weight was updated"):
+            scaler.scale(loss).backward()
+        del loss
+    assert _unchanged(model, before)
+    assert not any(opt.state.values())
+    opt.step()  # the optimizer is still usable without the scaler
+    model(x, y)[1].backward()
+    opt.step()
+    assert not _unchanged(model, before)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+def test_grad_scaler_elsewhere_is_untouched():
+    """The scale() guard refuses only losses that reach FORGE parameters."""
+    ForgeOptimizer(nn.Linear(4, 4), lr=1e-3)
+    other = nn.Linear(4, 4)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(other(torch.randn(2, 4)).sum()).backward()
+    assert other.weight.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+def test_grad_scaler_step_still_refuses():
+    """Last line: a scaler whose scale() was bypassed is refused in step()."""
     lin = nn.Linear(4, 4)
     opt = ForgeOptimizer(lin, lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(lin(torch.randn(2, 4)).sum()).backward()
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))  # as scale() would
     with pytest.raises(ValueError, match="GradScaler"):
         scaler.step(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_is_refused_in_the_forward(kit, dtype):
+    model = kit.make_gpt(torch.float32, n_layer=1)
+    ForgeOptimizer(model, kit.forge_groups(model, "adamw"), **kit.HYPER["adamw"])
+    before = _snapshot(model)
+    ((x, y),) = kit.batches(1)
+    with pytest.raises(ValueError, match=r"torch.autocast.*model.to\(torch.bfloat16\)"):
+        with torch.autocast("cpu", dtype=dtype):
+            model(x, y)[1].backward()
+    assert _unchanged(model, before)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        model(x, y)  # inference under autocast is not a FORGE step: allowed
 
 
 def test_bad_arguments_name_the_option():

@@ -26,8 +26,11 @@ Modes, all explicit:
   weight (4 bytes/param resident, no full-size temporary); step() checks that K backwards ran,
   clips exactly if asked (one pass) and applies the rule tile by tile. No memory saving versus
   the standard path in fp32; the fused GEMM epilogue is the only thing kept.
-- fp16 parameters and torch.amp.GradScaler are refused: dynamic loss scaling needs the whole
-  gradient checked for overflow before any update.
+- fp16 and loss scaling are refused before any update: fp16 parameters at construction,
+  torch.autocast (fp16 or bf16) in the first fused Linear forward, and torch.amp.GradScaler in
+  scaler.scale(loss) when the loss reaches FORGE parameters (the class's scale() is wrapped once;
+  step() refuses too, as a last line). Dynamic loss scaling needs the whole gradient checked for
+  overflow before any update, and FORGE updates inside the backward.
 """
 
 from __future__ import annotations
@@ -57,6 +60,66 @@ def _owner(p: torch.Tensor) -> ForgeOptimizer | None:
     return None if ref is None else ref()
 
 
+def _reaches_forge(outputs) -> ForgeOptimizer | None:
+    """The ForgeOptimizer owning a parameter that `outputs`' autograd graph reaches, if any."""
+    from frugaltrain.forge.linear import _ForgeLinearFn
+
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if isinstance(fn, _ForgeLinearFn._backward_cls):  # the node is the Function's ctx
+            return fn.handle.owner
+        var = getattr(fn, "variable", None)  # AccumulateGrad of a leaf
+        if var is not None and _owner(var) is not None:
+            return _owner(var)
+        stack.extend(f for f, _ in fn.next_functions)
+    return None
+
+
+def _tensors(outputs) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, dict):
+        outputs = outputs.values()
+    try:
+        return [t for o in outputs for t in _tensors(o)]
+    except TypeError:
+        return []
+
+
+def _guard_grad_scaler() -> None:
+    """Make torch.amp.GradScaler.scale refuse a loss that reaches FORGE parameters.
+
+    Loss scaling has to be refused before the backward: FORGE updates inside it, so by the time
+    GradScaler.step() could refuse, the scaled gradient has been applied (and with fp16 an
+    overflow found late cannot be undone). The wrapper walks the loss's autograd graph once per
+    scale() call and only raises when it reaches a parameter a live ForgeOptimizer owns; other
+    optimizers' use of GradScaler is unchanged. Installed once, at the first ForgeOptimizer.
+    """
+    cls = torch.amp.GradScaler
+    if getattr(cls.scale, "_forge_guard", False):
+        return
+    original = cls.scale
+
+    def scale(self, outputs):
+        if self.is_enabled() and _reaches_forge(outputs) is not None:
+            raise ValueError(
+                "FORGE: torch.amp.GradScaler (fp16 dynamic loss scaling) is not supported: FORGE "
+                "updates the weights during backward, so the scaled gradient would be applied "
+                "before any overflow check or unscale. Refused in scaler.scale(), before the "
+                "backward: no weight was updated. Train in bf16 weights or fp32 without a scaler."
+            )
+        return original(self, outputs)
+
+    scale._forge_guard = True
+    scale.__doc__ = original.__doc__
+    cls.scale = scale
+
+
 TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
 _BACKENDS = ("torch", "triton")
 _STATES = ("fp32", "int8")
@@ -84,7 +147,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         **defaults: the rule's hyperparameters (lr, betas, eps, weight_decay, momentum, ...).
     """
 
-    _step_supports_amp_scaling = True  # so GradScaler hands itself to step(), which refuses it
+    # so GradScaler hands itself to step(), which refuses it (scale() refuses first, see
+    # _guard_grad_scaler; this catches a scaler whose scale() was bypassed)
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -125,6 +190,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"FORGE: accumulation_steps={accumulation_steps} must be >= 1")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"FORGE: max_grad_norm={max_grad_norm} must be > 0 (None: off)")
+        _guard_grad_scaler()
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, {**self.rule.defaults, **defaults})
