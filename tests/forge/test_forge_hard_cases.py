@@ -3,6 +3,8 @@ autocast and loss scaling, Linear subclasses, param groups."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -260,3 +262,62 @@ def test_dropped_model_and_optimizer_are_freed():
     del model, opt
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+class _PlainSubclass(nn.Linear):
+    """Keeps nn.Linear.forward: fused like nn.Linear."""
+
+
+class _OwnForward(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def _train_pair(net_a, net_b, make_opt, steps=3):
+    ref = torch.optim.AdamW(net_a.parameters(), lr=1e-2, foreach=False)
+    opt = make_opt(net_b)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+        net_a(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+        net_b(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_linear_subclasses_fused_or_reported():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), _PlainSubclass(8, 8), _OwnForward(8, 8)).double()
+    b = copy.deepcopy(a)
+    with pytest.warns(UserWarning, match="_OwnForward overrides nn.Linear.forward"):
+        opt = _train_pair(a, b, lambda m: ForgeOptimizer(m, lr=1e-2))
+    assert {h.name for h in opt._handles} == {"0", "1"}
+    assert opt.fallback == {"2.weight": "_OwnForward overrides nn.Linear.forward"}
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_multihead_attention_out_proj_falls_back_reported():
+    """out_proj is a NonDynamicallyQuantizableLinear (a subclass) that MHA uses functionally."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(self.mha(x, x, x, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    a = Attn().double()
+    b = copy.deepcopy(a)
+    with pytest.warns(UserWarning, match="mha.out_proj.weight"):
+        opt = _train_pair(a, b, lambda m: ForgeOptimizer(m, lr=1e-2))
+    assert opt.fallback == {"mha.out_proj.weight": "used functionally by nn.MultiheadAttention"}
+    assert [h.name for h in opt._handles] == ["proj"]
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)

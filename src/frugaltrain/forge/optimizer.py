@@ -130,7 +130,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """Fused optimizer-in-backward for any nn.Module (see the module docstring for the contract).
 
     Args:
-        model: the module to train; its eligible nn.Linear layers get the fused backward.
+        model: the module to train; its eligible nn.Linear layers (and subclasses that keep
+            nn.Linear.forward) get the fused backward; the others are listed in `fallback`.
         params: parameters or param-group dicts, as torch.optim takes them; default: every
             parameter of `model` that requires grad, in one group.
         rule: "adamw", "sgd" or "lion" (rules.py).
@@ -270,7 +271,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         }
         handles = []
         for name, module in model.named_modules():
-            if type(module) is not nn.Linear or module.weight not in owned:
+            if not isinstance(module, nn.Linear) or module.weight not in owned:
                 continue
             if exclude is not None and exclude(name):
                 self.fallback[f"{name}.weight"] = "excluded"
@@ -278,6 +279,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self.fallback[f"{name}.weight"] = "tied or shared with another module"
             elif id(module) in inside_mha:
                 self.fallback[f"{name}.weight"] = "used functionally by nn.MultiheadAttention"
+            elif type(module).forward is not nn.Linear.forward:
+                # a subclass with its own forward may not compute x @ W^T + b with this weight;
+                # subclasses that keep Linear's forward are fused like nn.Linear
+                self.fallback[f"{name}.weight"] = (
+                    f"{type(module).__qualname__} overrides nn.Linear.forward"
+                )
             else:
                 handles.append(install_linear(name, module, self))
         fused = {h.module.weight for h in handles}
