@@ -321,3 +321,44 @@ def test_multihead_attention_out_proj_falls_back_reported():
     assert [h.name for h in opt._handles] == ["proj"]
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_add_param_group_installs_fusion_and_hooks():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)).double()
+    b = copy.deepcopy(a)
+    ref = torch.optim.AdamW(a[0].parameters(), lr=1e-2, foreach=False)
+    ref.add_param_group({"params": list(a[1:].parameters()), "lr": 3e-3, "weight_decay": 0.0})
+    opt = ForgeOptimizer(b, b[0].parameters(), lr=1e-2)
+    opt.add_param_group({"params": list(b[1:].parameters()), "lr": 3e-3, "weight_decay": 0.0})
+    assert [h.name for h in opt._handles] == ["0", "2"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+        a(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+        b(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert not any(p.grad is not None for p in b.parameters())
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == list(range(6))
+    assert [len(g["params"]) for g in sd["param_groups"]] == [2, 4]
+
+
+def test_add_param_group_refusals_leave_the_optimizer_unchanged():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = ForgeOptimizer(net, net[0].parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        opt.add_param_group({"params": [net[0].weight]})
+    other = nn.Linear(4, 4)
+    ForgeOptimizer(other, lr=1e-3)
+    with pytest.raises(ValueError, match="already belong to another ForgeOptimizer"):
+        opt.add_param_group({"params": list(other.parameters())})
+    half = nn.Linear(4, 4).half()
+    with pytest.raises(ValueError, match="float16"):
+        opt.add_param_group({"params": list(half.parameters())})
+    assert len(opt.param_groups) == 1 and len(opt._params) == 2

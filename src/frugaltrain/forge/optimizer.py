@@ -196,16 +196,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, {**self.rule.defaults, **defaults})
 
-        names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        for p in self._params:
-            if p.dtype == torch.float16:
-                raise ValueError(
-                    f"FORGE: parameter '{names.get(p, '?')}' is float16. fp16 training needs "
-                    "dynamic loss scaling, which checks the whole gradient for overflow before any "
-                    "update; FORGE updates during backward and refuses it. Use bf16 or fp32."
-                )
-        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._group_of: dict[nn.Parameter, dict] = {}
         self.tile_rows = tile_rows
         self.states = states
         self.rounding = rounding
@@ -223,42 +214,84 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._updated: set[nn.Parameter] = set()  # params stepped since the last step()
         self._num_backward: dict[nn.Parameter, int] = {}
         self._accum: dict[nn.Parameter, torch.Tensor] = {}
-        self._names = names
-
         if backend == "triton":
             from frugaltrain.forge import triton_kernel
 
             self._triton = triton_kernel
-            for p in self._params:
-                if p.dtype not in (torch.float32, torch.bfloat16):
-                    raise ValueError(
-                        f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
-                        f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
-                    )
-        taken = [names.get(p, "?") for p in self._params if _owner(p) is not None]
+        self._model = weakref.ref(model)
+        self._exclude = exclude
+        self._params: list[nn.Parameter] = []
+        self._param_index: dict[nn.Parameter, int] = {}
+        self._handles: list[_LayerHandle] = []
+        self._hooks: list = []
+        self._fused: set[nn.Parameter] = set()
+        self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
+        self._adopt(self.param_groups, stacklevel=3)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's add_param_group, plus FORGE's installation for the new parameters: their
+        Linears get the fused backward (or a reported fallback), the rest get update hooks."""
+        if not hasattr(self, "_params"):  # torch.optim.Optimizer.__init__ adding the first groups
+            super().add_param_group(param_group)
+            return
+        super().add_param_group(param_group)  # validates: defaults, no parameter in two groups
+        try:
+            self._adopt(self.param_groups[-1:], stacklevel=3)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _adopt(self, groups: list[dict], stacklevel: int) -> None:
+        """Check and install the parameters of `groups` (new to this optimizer)."""
+        model = self._model()
+        if model is None:
+            raise ValueError("FORGE: the model of this ForgeOptimizer was garbage-collected")
+        names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+        new = [p for g in groups for p in g["params"]]
+        for p in new:
+            if p.dtype == torch.float16:
+                raise ValueError(
+                    f"FORGE: parameter '{names.get(p, '?')}' is float16. fp16 training needs "
+                    "dynamic loss scaling, which checks the whole gradient for overflow before any "
+                    "update; FORGE updates during backward and refuses it. Use bf16 or fp32."
+                )
+            if self.backend == "triton" and p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(
+                    f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
+                    f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
+                )
+        taken = [names.get(p, "?") for p in new if _owner(p) is not None]
         if taken:
             raise ValueError(
                 f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
                 "call its remove() before building a new one (two would update them twice)"
             )
-        self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
-        self._handles, self._hooks = self._install(model, exclude)
-        for p in self._params:
+        self._names = names
+        before = dict(self.fallback)
+        handles, hooks = self._install(model, self._exclude, new)
+        self._handles += handles
+        self._hooks += hooks
+        for g in groups:
+            for p in g["params"]:
+                self._group_of[p] = g
+        for p in new:
+            self._param_index[p] = len(self._params)
+            self._params.append(p)
             _OWNERS[id(p)] = weakref.ref(self)
             weakref.finalize(p, _OWNERS.pop, id(p), None)
-        self._fused = {h.module.weight for h in self._handles}
-        self._param_index = {p: i for i, p in enumerate(self._params)}
-        if self.fallback:
+        self._fused |= {h.module.weight for h in handles}
+        added = {k: v for k, v in self.fallback.items() if k not in before}
+        if added:
             warnings.warn(
                 "FORGE: these Linear weights stay on the standard (hook) path, one full gradient "
-                f"each: {self.fallback}",
-                stacklevel=2,
+                f"each: {added}",
+                stacklevel=stacklevel,
             )
 
     # ---- installation --------------------------------------------------------------------
 
-    def _install(self, model: nn.Module, exclude) -> tuple[list[_LayerHandle], list]:
-        owned = set(self._params)
+    def _install(self, model: nn.Module, exclude, params) -> tuple[list[_LayerHandle], list]:
+        owned = set(params)
         uses: dict[nn.Parameter, int] = {}
         for _, module in model.named_modules(remove_duplicate=False):
             for p in module.parameters(recurse=False):
@@ -289,7 +322,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 handles.append(install_linear(name, module, self))
         fused = {h.module.weight for h in handles}
         hooks = []
-        for p in self._params:
+        for p in params:
             hook = _weak_hook(self, "_fused_weight_hook" if p in fused else "_param_hook")
             hooks.append(p.register_post_accumulate_grad_hook(hook))
         return handles, hooks
