@@ -1,6 +1,9 @@
-"""The hard cases, handled loudly: clipping, accumulation, tied and reused weights, fp16."""
+"""The hard cases, handled loudly: clipping, accumulation, tied and reused weights, fp16,
+autocast and loss scaling, Linear subclasses, param groups."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -155,14 +158,75 @@ def test_fp16_weights_are_refused():
         ForgeOptimizer(nn.Linear(4, 4).half(), lr=1e-3)
 
 
+def _snapshot(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model: nn.Module, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 @pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
-def test_grad_scaler_is_refused():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grad_scaler_is_refused_before_any_update(kit, autocast):
+    """The AMP recipe (fp16 autocast + GradScaler) stops in the forward; a scaler on a model
+    without autocast stops in scaler.scale(loss). Either way before the backward: no weight and
+    no optimizer state is touched."""
+    model = kit.make_gpt(torch.float32, n_layer=1)
+    opt = ForgeOptimizer(model, kit.forge_groups(model, "adamw"), **kit.HYPER["adamw"])
+    before = _snapshot(model)
+    scaler = torch.amp.GradScaler("cpu")
+    ((x, y),) = kit.batches(1)
+    if autocast:
+        with pytest.raises(ValueError, match="autocast.*no weight was updated"):
+            with torch.autocast("cpu", dtype=torch.float16):
+                scaler.scale(model(x, y)[1]).backward()
+    else:
+        loss = model(x, y)[1]
+        with pytest.raises(ValueError, match="GradScaler.*no weight was updated"):
+            scaler.scale(loss).backward()
+        del loss
+    assert _unchanged(model, before)
+    assert not any(opt.state.values())
+    opt.step()  # the optimizer is still usable without the scaler
+    model(x, y)[1].backward()
+    opt.step()
+    assert not _unchanged(model, before)
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+def test_grad_scaler_elsewhere_is_untouched():
+    """The scale() guard refuses only losses that reach FORGE parameters."""
+    ForgeOptimizer(nn.Linear(4, 4), lr=1e-3)
+    other = nn.Linear(4, 4)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(other(torch.randn(2, 4)).sum()).backward()
+    assert other.weight.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop:FutureWarning")
+def test_grad_scaler_step_still_refuses():
+    """Last line: a scaler whose scale() was bypassed is refused in step()."""
     lin = nn.Linear(4, 4)
     opt = ForgeOptimizer(lin, lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(lin(torch.randn(2, 4)).sum()).backward()
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))  # as scale() would
     with pytest.raises(ValueError, match="GradScaler"):
         scaler.step(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_is_refused_in_the_forward(kit, dtype):
+    model = kit.make_gpt(torch.float32, n_layer=1)
+    ForgeOptimizer(model, kit.forge_groups(model, "adamw"), **kit.HYPER["adamw"])
+    before = _snapshot(model)
+    ((x, y),) = kit.batches(1)
+    with pytest.raises(ValueError, match=r"torch.autocast.*model.to\(torch.bfloat16\)"):
+        with torch.autocast("cpu", dtype=dtype):
+            model(x, y)[1].backward()
+    assert _unchanged(model, before)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        model(x, y)  # inference under autocast is not a FORGE step: allowed
 
 
 def test_bad_arguments_name_the_option():
@@ -198,3 +262,103 @@ def test_dropped_model_and_optimizer_are_freed():
     del model, opt
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+class _PlainSubclass(nn.Linear):
+    """Keeps nn.Linear.forward: fused like nn.Linear."""
+
+
+class _OwnForward(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def _train_pair(net_a, net_b, make_opt, steps=3):
+    ref = torch.optim.AdamW(net_a.parameters(), lr=1e-2, foreach=False)
+    opt = make_opt(net_b)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+        net_a(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+        net_b(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_linear_subclasses_fused_or_reported():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), _PlainSubclass(8, 8), _OwnForward(8, 8)).double()
+    b = copy.deepcopy(a)
+    with pytest.warns(UserWarning, match="_OwnForward overrides nn.Linear.forward"):
+        opt = _train_pair(a, b, lambda m: ForgeOptimizer(m, lr=1e-2))
+    assert {h.name for h in opt._handles} == {"0", "1"}
+    assert opt.fallback == {"2.weight": "_OwnForward overrides nn.Linear.forward"}
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_multihead_attention_out_proj_falls_back_reported():
+    """out_proj is a NonDynamicallyQuantizableLinear (a subclass) that MHA uses functionally."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(self.mha(x, x, x, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    a = Attn().double()
+    b = copy.deepcopy(a)
+    with pytest.warns(UserWarning, match="mha.out_proj.weight"):
+        opt = _train_pair(a, b, lambda m: ForgeOptimizer(m, lr=1e-2))
+    assert opt.fallback == {"mha.out_proj.weight": "used functionally by nn.MultiheadAttention"}
+    assert [h.name for h in opt._handles] == ["proj"]
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_add_param_group_installs_fusion_and_hooks():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)).double()
+    b = copy.deepcopy(a)
+    ref = torch.optim.AdamW(a[0].parameters(), lr=1e-2, foreach=False)
+    ref.add_param_group({"params": list(a[1:].parameters()), "lr": 3e-3, "weight_decay": 0.0})
+    opt = ForgeOptimizer(b, b[0].parameters(), lr=1e-2)
+    opt.add_param_group({"params": list(b[1:].parameters()), "lr": 3e-3, "weight_decay": 0.0})
+    assert [h.name for h in opt._handles] == ["0", "2"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+        a(x).square().sum().backward()
+        ref.step()
+        ref.zero_grad()
+        b(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert not any(p.grad is not None for p in b.parameters())
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == list(range(6))
+    assert [len(g["params"]) for g in sd["param_groups"]] == [2, 4]
+
+
+def test_add_param_group_refusals_leave_the_optimizer_unchanged():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = ForgeOptimizer(net, net[0].parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        opt.add_param_group({"params": [net[0].weight]})
+    other = nn.Linear(4, 4)
+    ForgeOptimizer(other, lr=1e-3)
+    with pytest.raises(ValueError, match="already belong to another ForgeOptimizer"):
+        opt.add_param_group({"params": list(other.parameters())})
+    half = nn.Linear(4, 4).half()
+    with pytest.raises(ValueError, match="float16"):
+        opt.add_param_group({"params": list(half.parameters())})
+    assert len(opt.param_groups) == 1 and len(opt._params) == 2

@@ -58,6 +58,17 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     handle: _LayerHandle = self._forge_handle
     if not (torch.is_grad_enabled() and self.weight.requires_grad):
         return F.linear(x, self.weight, self.bias)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        raise ValueError(
+            f"FORGE: Linear '{handle.name}' ran under torch.autocast('{dev}', "
+            f"dtype={torch.get_autocast_dtype(dev)}), which FORGE does not support (the fused "
+            "backward would mix the autocast activations with the fp32 weight, and fp16 autocast "
+            "comes with loss scaling, which cannot be checked before the in-backward update). "
+            "Refused in the forward: no weight was updated. For bf16 training convert the model "
+            "(model.to(torch.bfloat16): fp32 math per tile, stochastic rounding on the store); "
+            "otherwise train in fp32 without autocast."
+        )
     # A forward that runs inside a backward is an activation-checkpoint recompute, not a reuse.
     if torch._C._current_graph_task_id() == -1:
         if handle.pending:

@@ -26,8 +26,11 @@ Modes, all explicit:
   weight (4 bytes/param resident, no full-size temporary); step() checks that K backwards ran,
   clips exactly if asked (one pass) and applies the rule tile by tile. No memory saving versus
   the standard path in fp32; the fused GEMM epilogue is the only thing kept.
-- fp16 parameters and torch.amp.GradScaler are refused: dynamic loss scaling needs the whole
-  gradient checked for overflow before any update.
+- fp16 and loss scaling are refused before any update: fp16 parameters at construction,
+  torch.autocast (fp16 or bf16) in the first fused Linear forward, and torch.amp.GradScaler in
+  scaler.scale(loss) when the loss reaches FORGE parameters (the class's scale() is wrapped once;
+  step() refuses too, as a last line). Dynamic loss scaling needs the whole gradient checked for
+  overflow before any update, and FORGE updates inside the backward.
 """
 
 from __future__ import annotations
@@ -57,6 +60,66 @@ def _owner(p: torch.Tensor) -> ForgeOptimizer | None:
     return None if ref is None else ref()
 
 
+def _reaches_forge(outputs) -> ForgeOptimizer | None:
+    """The ForgeOptimizer owning a parameter that `outputs`' autograd graph reaches, if any."""
+    from frugaltrain.forge.linear import _ForgeLinearFn
+
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if isinstance(fn, _ForgeLinearFn._backward_cls):  # the node is the Function's ctx
+            return fn.handle.owner
+        var = getattr(fn, "variable", None)  # AccumulateGrad of a leaf
+        if var is not None and _owner(var) is not None:
+            return _owner(var)
+        stack.extend(f for f, _ in fn.next_functions)
+    return None
+
+
+def _tensors(outputs) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, dict):
+        outputs = outputs.values()
+    try:
+        return [t for o in outputs for t in _tensors(o)]
+    except TypeError:
+        return []
+
+
+def _guard_grad_scaler() -> None:
+    """Make torch.amp.GradScaler.scale refuse a loss that reaches FORGE parameters.
+
+    Loss scaling has to be refused before the backward: FORGE updates inside it, so by the time
+    GradScaler.step() could refuse, the scaled gradient has been applied (and with fp16 an
+    overflow found late cannot be undone). The wrapper walks the loss's autograd graph once per
+    scale() call and only raises when it reaches a parameter a live ForgeOptimizer owns; other
+    optimizers' use of GradScaler is unchanged. Installed once, at the first ForgeOptimizer.
+    """
+    cls = torch.amp.GradScaler
+    if getattr(cls.scale, "_forge_guard", False):
+        return
+    original = cls.scale
+
+    def scale(self, outputs):
+        if self.is_enabled() and _reaches_forge(outputs) is not None:
+            raise ValueError(
+                "FORGE: torch.amp.GradScaler (fp16 dynamic loss scaling) is not supported: FORGE "
+                "updates the weights during backward, so the scaled gradient would be applied "
+                "before any overflow check or unscale. Refused in scaler.scale(), before the "
+                "backward: no weight was updated. Train in bf16 weights or fp32 without a scaler."
+            )
+        return original(self, outputs)
+
+    scale._forge_guard = True
+    scale.__doc__ = original.__doc__
+    cls.scale = scale
+
+
 TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
 _BACKENDS = ("torch", "triton")
 _STATES = ("fp32", "int8")
@@ -67,7 +130,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """Fused optimizer-in-backward for any nn.Module (see the module docstring for the contract).
 
     Args:
-        model: the module to train; its eligible nn.Linear layers get the fused backward.
+        model: the module to train; its eligible nn.Linear layers (and subclasses that keep
+            nn.Linear.forward) get the fused backward; the others are listed in `fallback`.
         params: parameters or param-group dicts, as torch.optim takes them; default: every
             parameter of `model` that requires grad, in one group.
         rule: "adamw", "sgd" or "lion" (rules.py).
@@ -84,7 +148,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         **defaults: the rule's hyperparameters (lr, betas, eps, weight_decay, momentum, ...).
     """
 
-    _step_supports_amp_scaling = True  # so GradScaler hands itself to step(), which refuses it
+    # so GradScaler hands itself to step(), which refuses it (scale() refuses first, see
+    # _guard_grad_scaler; this catches a scaler whose scale() was bypassed)
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -125,20 +191,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"FORGE: accumulation_steps={accumulation_steps} must be >= 1")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"FORGE: max_grad_norm={max_grad_norm} must be > 0 (None: off)")
+        _guard_grad_scaler()
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, {**self.rule.defaults, **defaults})
 
-        names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        for p in self._params:
-            if p.dtype == torch.float16:
-                raise ValueError(
-                    f"FORGE: parameter '{names.get(p, '?')}' is float16. fp16 training needs "
-                    "dynamic loss scaling, which checks the whole gradient for overflow before any "
-                    "update; FORGE updates during backward and refuses it. Use bf16 or fp32."
-                )
-        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._group_of: dict[nn.Parameter, dict] = {}
         self.tile_rows = tile_rows
         self.states = states
         self.rounding = rounding
@@ -156,42 +214,84 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._updated: set[nn.Parameter] = set()  # params stepped since the last step()
         self._num_backward: dict[nn.Parameter, int] = {}
         self._accum: dict[nn.Parameter, torch.Tensor] = {}
-        self._names = names
-
         if backend == "triton":
             from frugaltrain.forge import triton_kernel
 
             self._triton = triton_kernel
-            for p in self._params:
-                if p.dtype not in (torch.float32, torch.bfloat16):
-                    raise ValueError(
-                        f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
-                        f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
-                    )
-        taken = [names.get(p, "?") for p in self._params if _owner(p) is not None]
+        self._model = weakref.ref(model)
+        self._exclude = exclude
+        self._params: list[nn.Parameter] = []
+        self._param_index: dict[nn.Parameter, int] = {}
+        self._handles: list[_LayerHandle] = []
+        self._hooks: list = []
+        self._fused: set[nn.Parameter] = set()
+        self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
+        self._adopt(self.param_groups, stacklevel=3)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's add_param_group, plus FORGE's installation for the new parameters: their
+        Linears get the fused backward (or a reported fallback), the rest get update hooks."""
+        if not hasattr(self, "_params"):  # torch.optim.Optimizer.__init__ adding the first groups
+            super().add_param_group(param_group)
+            return
+        super().add_param_group(param_group)  # validates: defaults, no parameter in two groups
+        try:
+            self._adopt(self.param_groups[-1:], stacklevel=3)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _adopt(self, groups: list[dict], stacklevel: int) -> None:
+        """Check and install the parameters of `groups` (new to this optimizer)."""
+        model = self._model()
+        if model is None:
+            raise ValueError("FORGE: the model of this ForgeOptimizer was garbage-collected")
+        names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
+        new = [p for g in groups for p in g["params"]]
+        for p in new:
+            if p.dtype == torch.float16:
+                raise ValueError(
+                    f"FORGE: parameter '{names.get(p, '?')}' is float16. fp16 training needs "
+                    "dynamic loss scaling, which checks the whole gradient for overflow before any "
+                    "update; FORGE updates during backward and refuses it. Use bf16 or fp32."
+                )
+            if self.backend == "triton" and p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(
+                    f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
+                    f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
+                )
+        taken = [names.get(p, "?") for p in new if _owner(p) is not None]
         if taken:
             raise ValueError(
                 f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
                 "call its remove() before building a new one (two would update them twice)"
             )
-        self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
-        self._handles, self._hooks = self._install(model, exclude)
-        for p in self._params:
+        self._names = names
+        before = dict(self.fallback)
+        handles, hooks = self._install(model, self._exclude, new)
+        self._handles += handles
+        self._hooks += hooks
+        for g in groups:
+            for p in g["params"]:
+                self._group_of[p] = g
+        for p in new:
+            self._param_index[p] = len(self._params)
+            self._params.append(p)
             _OWNERS[id(p)] = weakref.ref(self)
             weakref.finalize(p, _OWNERS.pop, id(p), None)
-        self._fused = {h.module.weight for h in self._handles}
-        self._param_index = {p: i for i, p in enumerate(self._params)}
-        if self.fallback:
+        self._fused |= {h.module.weight for h in handles}
+        added = {k: v for k, v in self.fallback.items() if k not in before}
+        if added:
             warnings.warn(
                 "FORGE: these Linear weights stay on the standard (hook) path, one full gradient "
-                f"each: {self.fallback}",
-                stacklevel=2,
+                f"each: {added}",
+                stacklevel=stacklevel,
             )
 
     # ---- installation --------------------------------------------------------------------
 
-    def _install(self, model: nn.Module, exclude) -> tuple[list[_LayerHandle], list]:
-        owned = set(self._params)
+    def _install(self, model: nn.Module, exclude, params) -> tuple[list[_LayerHandle], list]:
+        owned = set(params)
         uses: dict[nn.Parameter, int] = {}
         for _, module in model.named_modules(remove_duplicate=False):
             for p in module.parameters(recurse=False):
@@ -204,7 +304,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         }
         handles = []
         for name, module in model.named_modules():
-            if type(module) is not nn.Linear or module.weight not in owned:
+            if not isinstance(module, nn.Linear) or module.weight not in owned:
                 continue
             if exclude is not None and exclude(name):
                 self.fallback[f"{name}.weight"] = "excluded"
@@ -212,11 +312,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self.fallback[f"{name}.weight"] = "tied or shared with another module"
             elif id(module) in inside_mha:
                 self.fallback[f"{name}.weight"] = "used functionally by nn.MultiheadAttention"
+            elif type(module).forward is not nn.Linear.forward:
+                # a subclass with its own forward may not compute x @ W^T + b with this weight;
+                # subclasses that keep Linear's forward are fused like nn.Linear
+                self.fallback[f"{name}.weight"] = (
+                    f"{type(module).__qualname__} overrides nn.Linear.forward"
+                )
             else:
                 handles.append(install_linear(name, module, self))
         fused = {h.module.weight for h in handles}
         hooks = []
-        for p in self._params:
+        for p in params:
             hook = _weak_hook(self, "_fused_weight_hook" if p in fused else "_param_hook")
             hooks.append(p.register_post_accumulate_grad_hook(hook))
         return handles, hooks

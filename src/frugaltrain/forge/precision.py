@@ -51,7 +51,11 @@ def quantize(x_RH: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tens
     """fp32 tile -> (codes (R, H) int8 or uint8, scales (R, NB) fp32), round to nearest."""
     R, H = x_RH.shape
     if not signed:
-        x_RH = x_RH.clamp_min(0).sqrt()
+        # correctly rounded: an fp64 square root rounded once to fp32 (53 >= 2 * 24 + 2 bits, so
+        # the double rounding is innocuous). torch's own fp32 sqrt is off by one ulp for ~18% of
+        # inputs on some CPU builds (torch 2.13, AVX2), which moved block scales by one ulp
+        # against the Triton kernel's IEEE tl.sqrt_rn.
+        x_RH = x_RH.clamp_min(0).double().sqrt().float()
     qmax = 127.0 if signed else 255.0
     xb = _pad_blocks(x_RH.float())
     scale_RN = xb.abs().amax(dim=2) / qmax

@@ -106,17 +106,36 @@ def _dequant(q_ptr, sc_ptr, idx, sidx, mask, row_mask, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def _round_half_even(t):
+    """torch.round of an fp32 tile: to nearest, ties to even (libdevice rint is not available
+    under the interpreter). floor(t + 0.5) would round ties up, and t + 0.5 itself rounds for
+    some t (0.49999997 + 0.5 == 1.0 in fp32). Here a = |t|, f = floor(a), and d = a - f is
+    exact (f == 0, or f >= a / 2 and Sterbenz), so ties are detected exactly."""
+    a = tl.abs(t)
+    f = tl.floor(a)
+    d = a - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+    return tl.where(t < 0, -r, r)
+
+
+@triton.jit
 def _requant(x, q_ptr, sc_ptr, idx, sidx, mask, row_mask, SIGNED: tl.constexpr):
-    """fp32 tile -> 8-bit codes and one absmax scale per row of the tile (= one block)."""
+    """fp32 tile -> 8-bit codes and one absmax scale per row of the tile (= one block).
+
+    Rounds exactly as precision.quantize: IEEE division and square root (tl.div_rn, tl.sqrt_rn:
+    Triton's default ones are approximate on a GPU) and ties to even, so the same fp32 tile gives
+    the same codes and scales on both paths (tests/forge/test_forge_triton_interpret.py).
+    """
     if SIGNED:
         qmax = 127.0
         y = x
     else:
         qmax = 255.0
-        y = tl.sqrt(tl.maximum(x, 0.0))
-    scale = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1) / qmax
+        y = tl.sqrt_rn(tl.maximum(x, 0.0))
+    scale = tl.div_rn(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1), qmax)
     safe = tl.where(scale > 0, scale, 1.0)
-    q = tl.floor(y / safe[:, None] + 0.5)  # round half up (torch.round: half to even)
+    q = _round_half_even(tl.div_rn(y, safe[:, None]))
     q = tl.minimum(tl.maximum(q, -qmax if SIGNED else 0.0), qmax)
     tl.store(q_ptr + idx, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(sc_ptr + sidx, scale, mask=row_mask)
