@@ -96,23 +96,43 @@ class MarkovSource:
             row_h = -np.nansum(np.where(self.P > 0, self.P * np.log(self.P), 0.0), axis=1)
         return float(pi @ row_h)
 
+    def _early_conditionals(self, seq_len: int) -> list[np.ndarray]:
+        """For positions t < k - 1 (which see only t + 1 symbols): the joint table
+        P(seen, next) and the conditional P(next | seen), seen as base-V ints of those symbols
+        (the newest is the least significant digit, as in contexts)."""
+        k, V = self.spec.order, self.spec.symbols
+        joint = self.stationary()[:, None] * self.P  # P(context, next)
+        tables = []
+        for t in range(min(k - 1, seq_len)):
+            n_seen = V ** (t + 1)  # marginalize the oldest k - (t + 1) context symbols
+            marg = np.zeros((n_seen, V))
+            np.add.at(marg, np.arange(V**k) % n_seen, joint)
+            tables.append((marg, marg / np.maximum(marg.sum(1, keepdims=True), 1e-300)))
+        return tables
+
     def loss_floor(self, seq_len: int) -> float:
         """Lowest mean cross-entropy over a window of seq_len predictions: position t (0-based)
         sees t + 1 symbols, so positions t < k - 1 are bounded by H(X_{t+1} | X_0..X_t)."""
-        h = self.entropy_rate()
-        k, V = self.spec.order, self.spec.symbols
-        pi = self.stationary()
-        joint = pi[:, None] * self.P  # P(context, next)
         early = []
-        for t in range(min(k - 1, seq_len)):
-            seen = t + 1  # symbols visible; marginalize the oldest k - seen context symbols
-            n_seen = V**seen
-            marg = np.zeros((n_seen, V))
-            np.add.at(marg, np.arange(V**k) % n_seen, joint)
-            cond = marg / np.maximum(marg.sum(1, keepdims=True), 1e-300)
+        for marg, cond in self._early_conditionals(seq_len):
             with np.errstate(divide="ignore", invalid="ignore"):
                 early.append(-np.nansum(np.where(marg > 0, marg * np.log(cond), 0.0)))
-        return float((sum(early) + h * (seq_len - len(early))) / seq_len)
+        return float((sum(early) + self.entropy_rate() * (seq_len - len(early))) / seq_len)
+
+    def nll(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Mean negative log-likelihood (nats per token) of targets y given windows x (both
+        B x T, y = x shifted by one) under the source itself, seeing only the window like a
+        model does: the floor on these exact tokens, whose expectation is loss_floor(T)."""
+        V, n_ctx = self.spec.symbols, self.spec.symbols**self.spec.order
+        x, y = x.astype(np.int64), y.astype(np.int64)
+        early = self._early_conditionals(x.shape[1])
+        ctx = np.zeros(x.shape[0], dtype=np.int64)
+        total = 0.0
+        for t in range(x.shape[1]):
+            ctx = (ctx * V + x[:, t]) % n_ctx  # < V ** (t + 1) while t + 1 < k
+            table = early[t][1] if t < len(early) else self.P
+            total -= np.log(table[ctx, y[:, t]]).sum()
+        return float(total / x.size)
 
     def sample(self, n: int, stream: int) -> np.ndarray:
         """n symbols of stream `stream` (0: train, 1: validation), started from a random context."""
@@ -144,3 +164,11 @@ def markov_tokens(path: str) -> tuple[torch.Tensor, torch.Tensor]:
 def markov_floor(path: str, seq_len: int) -> float:
     """The loss floor (nats per token) of a "markov:..." data path at window seq_len."""
     return MarkovSource(parse_spec(path)).loss_floor(seq_len)
+
+
+def markov_source_nll(path: str, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The source's own mean NLL on `batches` of a "markov:..." data path (equal-sized batches):
+    subtracted from a model's loss on the same batches, it removes the sampling noise of a small
+    evaluation set from the excess over the floor."""
+    src = MarkovSource(parse_spec(path))
+    return sum(src.nll(x.numpy(), y.numpy()) for x, y in batches) / len(batches)

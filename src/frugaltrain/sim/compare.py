@@ -57,9 +57,12 @@ def run_compare(
     from frugaltrain.sim.engine import simulate
 
     plans = []
+    # Seeds are replicates: each draws its own faults too, unless sim.fault_seed is given.
+    own_faults = not any(s.startswith("sim.fault_seed=") for s in sets)
     for m in methods:  # validate every config before running any
         for seed in seeds:
-            cfg, sim = load_sim_config(config, [*sets, *method_overrides(m), f"run.seed={seed}"])
+            per_seed = [f"run.seed={seed}"] + ([f"sim.fault_seed={seed}"] if own_faults else [])
+            cfg, sim = load_sim_config(config, [*sets, *method_overrides(m), *per_seed])
             plans.append((m, seed, cfg, sim))
     for m, seed, cfg, sim in plans:
         run_dir = out / _safe(m) / f"seed{seed}"

@@ -92,13 +92,14 @@ class _Sim:
         self.host_meter.start()
         M = self.M = r.workers
         corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
-        val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
-        self.val_batches = [val_sampler.batch(i) for i in range(r.eval_batches)]
-        self.floor = None
+        self.val_batches = validation_batches(cfg)
+        self.floor = self.source_nll = None
         if d.path.startswith("markov:"):
-            from frugaltrain.data.markov import markov_floor
+            from frugaltrain.data.markov import markov_floor, markov_source_nll
 
             self.floor = markov_floor(d.path, d.seq_len)
+            # The source's own loss on these exact tokens: a paired floor for a small eval set.
+            self.source_nll = markov_source_nll(d.path, self.val_batches)
         template = build_model(cfg)
         self.num_params = template.num_params()
         self.world = SimWorld(M, build_network(sim, cfg, self.num_params), sim)
@@ -396,6 +397,7 @@ class _Sim:
             out["loss/floor"] = self.floor
             out["loss/excess"] = out["loss/val"] - self.floor
             out["loss/excess_avg_model"] = out["loss/val_avg_model"] - self.floor
+            out["loss/excess_paired"] = out["loss/val"] - self.source_nll
         return out
 
     def _summary(self) -> dict:
@@ -427,6 +429,8 @@ class _Sim:
             "loss/val_avg_model": last.get("loss/val_avg_model"),
             "loss/excess": last.get("loss/excess"),
             "loss/floor": self.floor,
+            "loss/excess_paired": last.get("loss/excess_paired"),
+            "loss/source_nll": self.source_nll,
             "consensus/total": last.get("consensus/total"),
             "faults": {**wd.counts, **self.counts},
             "events": wd.events[:200],
@@ -434,6 +438,14 @@ class _Sim:
             "bandwidth_Bps": wd.net.B[:4],
             **energy,
         }
+
+
+def validation_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed held-out batches every worker and the averaged model are scored on."""
+    d = cfg.data
+    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + cfg.run.seed)
+    return [sampler.batch(i) for i in range(cfg.run.eval_batches)]
 
 
 def simulate(cfg: Config, sim: SimSection, run_dir: Path | None = None) -> SimResult:

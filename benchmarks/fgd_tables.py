@@ -1,0 +1,177 @@
+"""Markdown tables for docs/results/fgd.md from the runs of docs/results/fgd_experiments.sh.
+
+    python benchmarks/fgd_tables.py runs/fgd > tables.md
+
+Utilization, wall-clock and energy figures are simulated (energy: an estimate on the simulated
+clock). Losses are real losses of the real computation on the synthetic Markov source, reported
+as **paired excess**: validation loss minus the source's own loss on the same validation tokens
+(its expectation is the entropy floor; pairing removes the sampling noise of the small
+evaluation set). Gaps between methods are paired by seed. Cells are mean ± std over seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from frugaltrain.config import Config, build_config, read_toml
+from frugaltrain.data.markov import markov_source_nll
+from frugaltrain.sim.compare import _safe
+from frugaltrain.sim.engine import validation_batches
+
+
+@dataclass
+class Run:
+    seed: int
+    summary: dict
+    records: list[dict]
+    source_nll: float  # the Markov source's own loss on this run's validation batches
+
+    @property
+    def excess(self) -> float:
+        return self.summary["loss/val"] - self.source_nll
+
+    def time_to(self, excess: float) -> float | None:
+        """First simulated second at which the paired excess is <= `excess` (None: never)."""
+        for r in self.records:
+            if "loss/val" in r and r["loss/val"] - self.source_nll <= excess:
+                return r["time/sim_s"]
+        return None
+
+
+def _source_nll(run_dir: Path, summary: dict) -> float:
+    if summary.get("loss/source_nll") is not None:
+        return summary["loss/source_nll"]
+    raw = read_toml(run_dir / "config.toml")  # a run from before the simulator recorded it
+    raw.pop("sim", None)
+    cfg = build_config(Config, raw)
+    return markov_source_nll(cfg.data.path, validation_batches(cfg))
+
+
+def load(d: Path) -> dict[str, list[Run]]:
+    """{method: [Run per seed]} of one `compare` output directory, in its method order."""
+    methods = json.loads((d / "compare.json").read_text())["methods"]
+    out: dict[str, list[Run]] = {}
+    for m in methods:
+        for rd in sorted((d / _safe(m)).glob("seed*")):
+            if not (rd / "summary.json").is_file():
+                continue
+            summary = json.loads((rd / "summary.json").read_text())
+            records = [json.loads(line) for line in (rd / "metrics.jsonl").open()]
+            run = Run(int(rd.name[4:]), summary, records, _source_nll(rd, summary))
+            out.setdefault(m, []).append(run)
+    return out
+
+
+def _ms(values: list[float | None], fmt: str = ".4f") -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    return f"{format(mean, fmt)} ± {format(std, fmt.lstrip('+'))}"
+
+
+def _gap_pct(runs: list[Run], ref: list[Run]) -> list[float]:
+    """Per seed: 100 (excess / reference excess - 1), matched by seed."""
+    by_seed = {r.seed: r.excess for r in ref}
+    return [100 * (r.excess / by_seed[r.seed] - 1) for r in runs if r.seed in by_seed]
+
+
+def e1(root: Path) -> str:
+    dirs = [d for d in (root / "e1").glob("r*") if (d / "compare.json").is_file()]
+    if not dirs:
+        return "(not run)"
+    dirs.sort(key=lambda p: float(p.name[1:]))
+    methods = json.loads((dirs[0] / "compare.json").read_text())["methods"]
+    head = "| r | " + " | ".join(methods) + " | closed form DiLoCo / GlobalM1 |"
+    out = [head, "|---" * (len(methods) + 2) + "|"]
+    for d in dirs:
+        runs, r = load(d), float(d.name[1:])
+        cells = [_ms([x.summary["util/compute"] for x in runs.get(m, [])], ".3f") for m in methods]
+        closed = f"{1 / (1 + r):.3f} / {1 / max(1, r):.3f}"
+        out.append(f"| {r:g} | " + " | ".join(cells) + f" | {closed} |")
+    return "\n".join(out)
+
+
+def quality(d: Path, target: float, ref: dict[str, list[Run]] | None = None) -> str:
+    """Per-method table of one compare directory; `ref` (the fault-free runs) adds the loss cost
+    of the faults, paired by seed and method."""
+    runs = load(d)
+    cost = "| cost of the faults (%) " if ref else ""
+    out = [
+        "| method | paired excess (nats) | vs DiLoCo (%) " + cost + "| utilization | wall (s) "
+        f"| s to excess <= {target:.4f} | MB sent/worker | consensus | energy (kJ) |",
+        "|---" * (10 if ref else 9) + "|",
+    ]
+    for m, rs in runs.items():
+        ttt = [r.time_to(target) for r in rs]
+        reached = [t for t in ttt if t is not None]
+        note = "" if len(reached) == len(rs) else f" ({len(reached)}/{len(rs)} seeds)"
+        gap = _ms(_gap_pct(rs, runs["diloco"]), "+.1f") if "diloco" in runs else "-"
+        fault_cost = f"| {_ms(_gap_pct(rs, ref.get(m, [])), '+.1f')} " if ref else ""
+        energy = [r.summary.get("energy/joules") for r in rs]
+        out.append(
+            f"| {m} | {_ms([r.excess for r in rs])} | {gap} {fault_cost}"
+            f"| {_ms([r.summary['util/compute'] for r in rs], '.3f')} "
+            f"| {_ms([r.summary['time/sim_s'] for r in rs], '.0f')} "
+            f"| {_ms(reached, '.0f')}{note} "
+            f"| {_ms([r.summary['comm/bytes_sent_per_worker'] / 1e6 for r in rs], '.2f')} "
+            f"| {_ms([r.summary['consensus/total'] for r in rs], '.4f')} "
+            f"| {_ms([e / 1e3 if e is not None else None for e in energy], '.0f')} |"
+        )
+    return "\n".join(out)
+
+
+def faults(root: Path, target: float, ref: dict[str, list[Run]]) -> str:
+    out = []
+    for d in sorted((root / "e7").glob("*")):
+        if not (d / "compare.json").is_file():
+            continue
+        out += [f"**{d.name}**", "", quality(d, target, ref), ""]
+        counts = {}
+        for m, rs in load(d).items():
+            keys = rs[0].summary["faults"]
+            counts[m] = {k: sum(r.summary["faults"][k] for r in rs) for k in keys if keys[k]}
+        out += [f"fault counters, summed over seeds: `{json.dumps(counts)}`", ""]
+    return "\n".join(out)
+
+
+def speed(path: Path) -> str:
+    if not path.is_file():
+        return "(not run)"
+    res = json.loads(path.read_text())
+    out = [
+        "| M | threads (worker-steps/s) | loop | vmap | threads / loop | vmap / loop |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in res["rows"]:
+        t, lo, v = row["threads"], row["loop"], row.get("vmap")
+        vmap = f"{v['worker_steps_per_s']:.1f}" if v else "-"
+        ratio = f"{row['ratio_vmap_over_loop']:.2f}" if v else "-"
+        out.append(
+            f"| {row['M']} | {t['worker_steps_per_s']:.1f} | {lo['worker_steps_per_s']:.1f} "
+            f"| {vmap} | {row['ratio_threads_over_loop']:.2f} | {ratio} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    print("## Speed\n\n" + speed(Path("benchmarks/results/sim_scale.json")) + "\n")
+    print("## E1\n\n" + e1(root) + "\n")
+    e2 = load(root / "e2")
+    target = 1.02 * statistics.mean(r.excess for r in e2["diloco"])
+    print(f"target: 1.02 x DiLoCo's final paired excess = {target:.4f}\n")
+    print("## E2/E3/E4 (r = 0.887)\n\n" + quality(root / "e2", target) + "\n")
+    if (root / "e3" / "compare.json").is_file():
+        print("## E3 (r = 1.774)\n\n" + quality(root / "e3", target) + "\n")
+    print("## E7\n\n" + faults(root, target, e2))
+
+
+if __name__ == "__main__":
+    main()
