@@ -47,7 +47,7 @@ from frugaltrain.sim.config import SimSection, energy_label
 from frugaltrain.sim.network import build_network
 from frugaltrain.sim.world import SimComm, SimWorld
 from frugaltrain.train.loop import build_model, build_strategy, evaluate
-from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+from frugaltrain.train.optim import build_inner_optimizer, build_schedule, is_forge
 
 GROUPS = ("embed", "blocks", "head", "other")
 ENERGY_KEYS = ("energy/compute_j", "energy/idle_j", "energy/comm_j", "energy/joules")
@@ -120,6 +120,7 @@ class _Sim:
                     comm,
                 )
             )
+        self.forge = is_forge(cfg.optim)
         self.slots = threading.Semaphore(sim.compute_threads)
         self.barrier = threading.Barrier(M, action=self._round_end)
         self.rng = np.random.default_rng([sim.fault_seed, 0xC10C])
@@ -171,12 +172,16 @@ class _Sim:
                             f"[sim worker {i} step {step}] non-finite loss {loss.item()}; "
                             "lower optim.lr or raise optim.warmup_steps"
                         )
-                    loss.backward()
+                    if self.forge:  # updates inside backward (as in train/loop.py)
+                        w.inner.backward(loss)
+                    else:
+                        loss.backward()
                     measured = time.perf_counter() - t
-                w.strategy.sync_grads()
+                if not self.forge:  # FORGE leaves no gradient to sync or clip
+                    w.strategy.sync_grads()
                 with self.slots:
                     t = time.perf_counter()
-                    if cfg.optim.grad_clip > 0:
+                    if cfg.optim.grad_clip > 0 and not self.forge:
                         torch.nn.utils.clip_grad_norm_(w.model.parameters(), cfg.optim.grad_clip)
                     w.inner.step()
                     w.schedule.step()
