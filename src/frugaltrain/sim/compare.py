@@ -24,7 +24,9 @@ METHODS: dict[str, list[str]] = {
     "GlobalM1": ["outer.strategy=fgd", "outer.preset=GlobalM1"],
     "GlobalM1LocalM2": ["outer.strategy=fgd", "outer.preset=GlobalM1LocalM2"],
     "fgd-ring": ["outer.strategy=fgd", "outer.mix1=ring", "outer.mix2=none"],
-    "noloco": ["outer.strategy=noloco"],
+    # NoLoCo's public gossip configs: groups of 2, outer lr = pull = 0.7, momentum 0.5
+    # (research note a.3); DiLoCo's 0.9 is not its setting.
+    "noloco": ["outer.strategy=noloco", "outer.momentum=0.5"],
     "streaming": ["outer.strategy=streaming", "outer.fragments=2", "outer.overlap=1"],
 }
 
