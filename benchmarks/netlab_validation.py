@@ -13,9 +13,19 @@ each twice: with the nominal link (T_AR = 2 (M-1)/M S / B, T_pair = S / B, S = f
 bytes) and with the link as measured by a gloo probe before the runs at that rate (T_AR and
 T_pair timed with nothing else running; the simulator then gets the all-reduce's effective
 bandwidth).
+The simulator is also run with the measured inputs it can take (U_simulated_measured_inputs):
+bandwidth = the probed all-reduce's effective bandwidth, sim.p2p_bandwidth_ratio = the probed
+pair exchange's effective bandwidth over the all-reduce's, and sim.compute = "trace" replaying
+the run's measured per-round compute (rounds 2.., mean over workers). The simulated run has as
+many rounds as the trace and U is taken over all of them: with these three methods a round's
+blocking depends only on that round (Mix1 is posted at the round start and waited at its end),
+so simulated round k stands for measured round k + 1.
 Needs root. Writes a JSON with every figure labelled measured / simulated / estimated.
 
     python benchmarks/netlab_validation.py --rates 28,14 --out docs/results/netlab.json
+    # recompute the simulator's measured-input prediction from a results file (no root, no
+    # netlab): adds U_simulated_measured_inputs to each case, rewrites the JSON and the plot
+    python benchmarks/netlab_validation.py --reanalyze docs/results/netlab.json
 """
 
 from __future__ import annotations
@@ -79,6 +89,85 @@ def simulated(cfg, c: float, B_bits: float) -> float:
     return compute / (compute + blocking)
 
 
+def simulated_measured_inputs(cfg, m: dict, link: dict) -> dict:
+    """The simulator fed with what was measured: the probed all-reduce bandwidth, the probed pair
+    exchange's share of it, and the run's per-round compute (one simulated round per measured
+    round; U over all of them)."""
+    import copy
+
+    from frugaltrain.sim import SimSection, simulate
+
+    trace = list(m["round_compute_s"])
+    cfg = copy.deepcopy(cfg)
+    cfg.run.steps = len(trace) * cfg.outer.H
+    B, ratio = (
+        link["allreduce_effective_bps"],
+        link["pair_effective_bps"] / link["allreduce_effective_bps"],
+    )
+    sim = SimSection(
+        compute="trace",
+        compute_trace_s=trace,
+        bandwidth_bps=[B],
+        p2p_bandwidth_ratio=ratio,
+        latency_s=0.0,
+    )
+    rounds = [r for r in simulate(cfg, sim).records if r.get("kind") == "round"]
+    compute = sum(r["time/compute_s"] for r in rounds)
+    blocking = sum(r["time/blocking_s"] for r in rounds)
+    return {
+        "U_simulated_measured_inputs": compute / (compute + blocking),
+        "sim_measured_inputs": {
+            "bandwidth_bps": B,
+            "p2p_bandwidth_ratio": ratio,
+            "compute_trace_s": "measured.round_compute_s",
+            "rounds_simulated": len(rounds),
+            "round_compute_s_simulated": [r["time/compute_s"] for r in rounds],
+            "round_blocking_s_simulated": [r["time/blocking_s"] for r in rounds],
+        },
+    }
+
+
+def common_overrides(H: int, steps: int, runs: str) -> list[str]:
+    return [
+        "run.workers=4",
+        f"outer.H={H}",
+        f"run.steps={steps}",
+        "run.eval_every=0",
+        "run.eval_batches=2",
+        "run.progress=false",
+        "data.batch_size=8",
+        "data.seq_len=64",
+        f"run.out_dir={runs!r}",
+    ]
+
+
+def reanalyze(path: Path, runs: str) -> None:
+    """Add the measured-input simulator prediction to every case of a results file (the measured
+    figures and the earlier predictions are kept as they are) and redraw its plot."""
+    from frugaltrain.config import load_config
+
+    results = json.loads(path.read_text())
+    for row in results:
+        steps = (row["measured"]["rounds_measured"] + 1) * row["H"]  # as run: round 1 + measured
+        cfg = load_config(None, [*common_overrides(row["H"], steps, runs), *METHODS[row["method"]]])
+        row.update(simulated_measured_inputs(cfg, row["measured"], row["link_probe_measured"]))
+        print(
+            json.dumps(
+                {
+                    "method": row["method"],
+                    "rate_mbit": row["rate_mbit"],
+                    "U_measured": row["measured"]["U"],
+                    "U_simulated_probe": row.get("U_simulated_probe"),
+                    "U_simulated_measured_inputs": row["U_simulated_measured_inputs"],
+                    "U_closed_form_probe_estimated": row["U_closed_form_probe_estimated"],
+                }
+            ),
+            flush=True,
+        )
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, path.with_suffix(".png"))
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Bars: measured U and its predictions, per method and link rate."""
     import matplotlib
@@ -91,6 +180,10 @@ def plot(results: list[dict], path: Path) -> None:
         ("measured", [r["measured"]["U"] for r in results]),
         ("closed form, probed link", [r["U_closed_form_probe_estimated"] for r in results]),
         ("simulator, probed link", [r.get("U_simulated_probe", float("nan")) for r in results]),
+        (
+            "simulator, measured inputs",
+            [r.get("U_simulated_measured_inputs", float("nan")) for r in results],
+        ),
         ("closed form, nominal link", [r["U_closed_form_nominal_estimated"] for r in results]),
     ]
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -117,9 +210,17 @@ def main() -> int:
     ap.add_argument("--runs", default="/tmp/netlab-runs", help="parent of the run directories")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator predictions")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of a results file")
+    ap.add_argument(
+        "--reanalyze",
+        metavar="JSON",
+        help="add the simulator's measured-input prediction to a results file (no netlab)",
+    )
     args = ap.parse_args()
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return 0
+    if args.reanalyze:
+        reanalyze(Path(args.reanalyze), args.runs)
         return 0
 
     from frugaltrain.config import to_toml
@@ -131,17 +232,7 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 2
-    common = [
-        "run.workers=4",
-        f"outer.H={args.H}",
-        f"run.steps={args.steps}",
-        "run.eval_every=0",
-        "run.eval_batches=2",
-        "run.progress=false",
-        "data.batch_size=8",
-        "data.seq_len=64",
-        f"run.out_dir={args.runs!r}",
-    ]
+    common = common_overrides(args.H, args.steps, args.runs)
     results = []
     from frugaltrain.netlab.run import probe
     from frugaltrain.train.loop import build_model
@@ -191,6 +282,7 @@ def main() -> int:
                 row["U_simulated_probe"] = simulated(
                     cfg, m["step_s"], link["allreduce_effective_bps"]
                 )
+                row.update(simulated_measured_inputs(cfg, m, link))
             results.append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -22,11 +22,16 @@ energy label marks it as a placeholder while it is in use."""
 class SimSection:
     compute: str = "fixed"
     """Compute time per inner step: fixed (step_s), lognormal (step_s * exp(N(0, step_sigma))),
-    or measured (the real seconds the step took in this process)."""
+    measured (the real seconds the step took in this process), or trace (replays
+    compute_trace_s)."""
     step_s: float = 1.0
     """Simulated seconds of one inner step (median for lognormal)."""
     step_sigma: float = 0.0
     """Lognormal sigma of the step time (compute = lognormal)."""
+    compute_trace_s: list[float] = field(default_factory=list)
+    """compute = trace: simulated compute seconds of whole outer rounds (H inner steps), e.g. a
+    real run's measured per-round compute. Every step of round t (steps t*H .. t*H + H-1, t
+    from 0) takes compute_trace_s[t mod len] / H, on every worker; stragglers still multiply."""
     ratio: float = 0.0
     """r = T_AR / (H * step_s): sets every worker's bandwidth so a ring all-reduce of all fp32
     parameters takes r times a round of compute (research note b.6: r = 0.887 and 1.774 are the
@@ -35,6 +40,12 @@ class SimSection:
     """Link bandwidth in bits/s: one value for all workers, or one per worker."""
     latency_s: float = 0.0
     """Per-message latency in simulated seconds."""
+    p2p_bandwidth_ratio: float = 1.0
+    """Effective bandwidth of a point-to-point transfer (gossip and pair exchanges, a rejoin's
+    state copy) as a fraction of the link's bandwidth; all-reduce and all-gather keep the full
+    bandwidth. 1.0: nominal. Measure it as the pair exchange's over the all-reduce's effective
+    bandwidth (the probe of benchmarks/netlab_validation.py: 0.55 for gloo on tbf-shaped links)
+    and give bandwidth_bps the all-reduce's; above 1 if point-to-point gets more than that."""
     straggler_prob: float = 0.0
     """Probability that a worker's inner step is slowed by straggler_slowdown."""
     straggler_slowdown: float = 4.0
@@ -82,10 +93,30 @@ def validate_sim(s: SimSection, cfg: Config) -> None:
 
     M = cfg.run.workers
     need(
-        s.compute in ("fixed", "lognormal", "measured"),
+        s.compute in ("fixed", "lognormal", "measured", "trace"),
         "compute",
         s.compute,
-        "choose fixed, lognormal or measured",
+        "choose fixed, lognormal, measured or trace",
+    )
+    if s.compute == "trace":
+        need(
+            len(s.compute_trace_s) > 0,
+            "compute_trace_s",
+            s.compute_trace_s,
+            "compute = trace needs at least one round's compute seconds",
+        )
+    else:
+        need(
+            not s.compute_trace_s,
+            "compute_trace_s",
+            s.compute_trace_s,
+            f"only read with compute = 'trace' (compute = {s.compute!r}); set sim.compute",
+        )
+    need(
+        all(c > 0 for c in s.compute_trace_s),
+        "compute_trace_s",
+        s.compute_trace_s,
+        "every round's compute seconds must be > 0",
     )
     need(s.step_s > 0, "step_s", s.step_s, "must be positive")
     need(s.step_sigma >= 0, "step_sigma", s.step_sigma, "must be >= 0")
@@ -98,6 +129,12 @@ def validate_sim(s: SimSection, cfg: Config) -> None:
     )
     need(all(b > 0 for b in s.bandwidth_bps), "bandwidth_bps", s.bandwidth_bps, "must be > 0")
     need(s.latency_s >= 0, "latency_s", s.latency_s, "must be >= 0")
+    need(
+        s.p2p_bandwidth_ratio > 0,
+        "p2p_bandwidth_ratio",
+        s.p2p_bandwidth_ratio,
+        "must be > 0 (a fraction of the link's bandwidth; 1: nominal)",
+    )
     need(0 <= s.straggler_prob <= 1, "straggler_prob", s.straggler_prob, "must be in [0, 1]")
     need(s.straggler_slowdown >= 1, "straggler_slowdown", s.straggler_slowdown, "must be >= 1")
     need(0 <= s.drop_prob < 1, "drop_prob", s.drop_prob, "must be in [0, 1)")

@@ -144,11 +144,15 @@ class _Sim:
 
     # ---- compute time model
     def _draw_step_times(self) -> np.ndarray:
-        """[M, steps] simulated step times: fixed or lognormal, times straggler slowdowns."""
+        """[M, steps] simulated step times: fixed, lognormal or a per-round trace (step k of
+        round t = k // H takes compute_trace_s[t mod len] / H), times straggler slowdowns."""
         s, M, n = self.sim, self.M, self.cfg.run.steps
         base = np.full((M, n), s.step_s)
         if s.compute == "lognormal" and s.step_sigma > 0:
             base *= np.exp(self.rng.normal(0.0, s.step_sigma, (M, n)))
+        if s.compute == "trace":
+            H, trace = self.cfg.outer.H, np.asarray(s.compute_trace_s, dtype=np.float64)
+            base[:] = trace[(np.arange(n) // H) % len(trace)] / H
         if s.straggler_prob > 0:
             slow = self.rng.random((M, n)) < s.straggler_prob
             if s.straggler_worker >= 0:

@@ -9,6 +9,11 @@ payload of S bytes per worker:
     gossip / pairs    worker i sends d_out S and receives d_in S:
                       its part takes max(d_out, d_in) S / B_i + l, and a message from j is in
                       no sooner than j's own sending is done: d_out_j S / B_j + l after j starts
+    rejoin state copy T = S / min(B_a, B_b) + l
+
+In the point-to-point forms (gossip, pairs, rejoin) B is p B_i with p = sim.p2p_bandwidth_ratio
+(default 1): a real stack may move a pair exchange slower than its all-reduce over the same link
+(gloo on tbf-shaped links: p = 0.55, docs/results/netlab.md). All-reduce and all-gather use B_i.
 
 Each worker's link is one FIFO queue: an operation starts on it when the worker has posted it
 and the link has finished every earlier operation (so Mix1 and Mix2 serialize, Mix1 first).
@@ -21,8 +26,11 @@ from frugaltrain.sim.config import SimSection
 
 
 class Network:
-    def __init__(self, bandwidth_Bps: list[float], latency_s: float) -> None:
+    def __init__(
+        self, bandwidth_Bps: list[float], latency_s: float, p2p_ratio: float = 1.0
+    ) -> None:
         self.B = list(bandwidth_Bps)
+        self.B_p2p = [b * p2p_ratio for b in self.B]  # b * 1.0 == b: the default is exact
         self.latency_s = latency_s
 
     def ring_allreduce_s(self, nbytes: float, ranks: list[int]) -> float:
@@ -40,20 +48,21 @@ class Network:
         return (n - 1) * nbytes / min(self.B[r] for r in ranks) + (n - 1) * self.latency_s
 
     def send_s(self, nbytes: float, rank: int) -> float:
-        return nbytes / self.B[rank] + self.latency_s
+        return nbytes / self.B_p2p[rank] + self.latency_s
 
     def pair_s(self, nbytes: float, a: int, b: int) -> float:
-        return nbytes / min(self.B[a], self.B[b]) + self.latency_s
+        return nbytes / min(self.B_p2p[a], self.B_p2p[b]) + self.latency_s
 
 
 def build_network(sim: SimSection, cfg: Config, num_params: int) -> Network:
-    """Network of a run; with sim.ratio > 0 the bandwidth is set from r (all workers equal)."""
+    """Network of a run; with sim.ratio > 0 the bandwidth is set from r (all workers equal; r
+    fixes the all-reduce's time, so p2p_bandwidth_ratio still slows point-to-point transfers)."""
     M = cfg.run.workers
     if sim.ratio > 0:
         S = 4 * num_params  # fp32 parameters: the payload of DiLoCo's and GlobalM1's all-reduce
         budget = sim.ratio * cfg.outer.H * sim.step_s - 2 * (M - 1) * sim.latency_s
         if M == 1:
-            return Network([float("inf")], sim.latency_s)
+            return Network([float("inf")], sim.latency_s, sim.p2p_bandwidth_ratio)
         if budget <= 0:
             from frugaltrain.config import ConfigError
 
@@ -62,6 +71,6 @@ def build_network(sim: SimSection, cfg: Config, num_params: int) -> Network:
                 "lower sim.latency_s or raise sim.ratio"
             )
         B = 2 * (M - 1) / M * S / budget
-        return Network([B] * M, sim.latency_s)
+        return Network([B] * M, sim.latency_s, sim.p2p_bandwidth_ratio)
     bw = sim.bandwidth_bps * (M if len(sim.bandwidth_bps) == 1 else 1)
-    return Network([b / 8 for b in bw], sim.latency_s)
+    return Network([b / 8 for b in bw], sim.latency_s, sim.p2p_bandwidth_ratio)
