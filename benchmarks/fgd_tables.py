@@ -76,10 +76,14 @@ def _ms(values: list[float | None], fmt: str = ".4f") -> str:
     return f"{format(mean, fmt)} ± {format(std, fmt.lstrip('+'))}"
 
 
-def _gap_pct(runs: list[Run], ref: list[Run]) -> list[float]:
-    """Per seed: 100 (excess / reference excess - 1), matched by seed."""
-    by_seed = {r.seed: r.excess for r in ref}
-    return [100 * (r.excess / by_seed[r.seed] - 1) for r in runs if r.seed in by_seed]
+def _gap_pct(runs: list[Run], ref: list[Run], of=lambda r: r.excess) -> list[float]:
+    """Per seed: 100 (of(run) / of(reference run) - 1), matched by seed."""
+    by_seed = {r.seed: of(r) for r in ref}
+    return [100 * (of(r) / by_seed[r.seed] - 1) for r in runs if r.seed in by_seed]
+
+
+def _val(r: Run) -> float:
+    return r.summary["loss/val"]
 
 
 def e1(root: Path) -> str:
@@ -104,19 +108,22 @@ def quality(d: Path, target: float, ref: dict[str, list[Run]] | None = None) -> 
     runs = load(d)
     cost = "| cost of the faults (%) " if ref else ""
     out = [
-        "| method | paired excess (nats) | vs DiLoCo (%) " + cost + "| utilization | wall (s) "
+        "| method | paired excess (nats) | vs DiLoCo (%) | val loss vs DiLoCo (%) "
+        + cost
+        + "| utilization | wall (s) "
         f"| s to excess <= {target:.4f} | MB sent/worker | consensus | energy (kJ) |",
-        "|---" * (10 if ref else 9) + "|",
+        "|---" * (11 if ref else 10) + "|",
     ]
     for m, rs in runs.items():
         ttt = [r.time_to(target) for r in rs]
         reached = [t for t in ttt if t is not None]
         note = "" if len(reached) == len(rs) else f" ({len(reached)}/{len(rs)} seeds)"
         gap = _ms(_gap_pct(rs, runs["diloco"]), "+.1f") if "diloco" in runs else "-"
+        val_gap = _ms(_gap_pct(rs, runs["diloco"], _val), "+.2f") if "diloco" in runs else "-"
         fault_cost = f"| {_ms(_gap_pct(rs, ref.get(m, [])), '+.1f')} " if ref else ""
         energy = [r.summary.get("energy/joules") for r in rs]
         out.append(
-            f"| {m} | {_ms([r.excess for r in rs])} | {gap} {fault_cost}"
+            f"| {m} | {_ms([r.excess for r in rs])} | {gap} | {val_gap} {fault_cost}"
             f"| {_ms([r.summary['util/compute'] for r in rs], '.3f')} "
             f"| {_ms([r.summary['time/sim_s'] for r in rs], '.0f')} "
             f"| {_ms(reached, '.0f')}{note} "
