@@ -143,5 +143,11 @@ def test_allreduce_failure_policies(make_config, policy):
     )
     if policy == "retry":
         assert same  # retries change the time, never the values
+        # ...and every failed attempt sent its bytes too: one all-reduce per round, each moving
+        # the clean run's per-round bytes once per attempt.
+        rounds = cfg.run.steps // cfg.outer.H
+        per_op = clean.summary["comm/bytes_sent_per_worker"] / rounds
+        attempts = rounds + faulty.summary["faults"]["retries"]
+        assert faulty.summary["comm/bytes_sent_per_worker"] == per_op * attempts
     else:
         assert faulty.summary["faults"]["rollbacks"] > 0 and not same

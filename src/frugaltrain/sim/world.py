@@ -35,6 +35,7 @@ from frugaltrain.comm.base import (
     Handle,
     flatten,
     payload_bytes,
+    ring_allreduce_bytes,
     unflatten_into,
     weighted_sum,
 )
@@ -55,6 +56,7 @@ class _Op:
     result: object = None
     dropped: dict = field(default_factory=dict)  # rank -> [senders lost]
     waited: set = field(default_factory=set)
+    resends: int = 0  # failed attempts sent again (retry policy): their bytes moved too
 
 
 class SimWorld:
@@ -192,6 +194,7 @@ class SimWorld:
                     self.round_failed = True
                 else:
                     self.counts["retries"] += fails
+                    op.resends = fails
                     end = start + fails * timeout + transfer
         for r in ranks:
             op.end[r] = end
@@ -265,15 +268,25 @@ class SimComm(Comm):
 
         def finish() -> None:
             unflatten_into(self.world.wait(self.rank, op), tensors)
+            self._count_resends(op, ring_allreduce_bytes(payload_bytes(tensors), len(op.members)))
 
         return Handle(self.stats, finish, lambda: self.world.is_done(self.rank, op))
 
     def _all_gather(self, parts: list[torch.Tensor], seq: int) -> Exchange:
         wire = sum(p.numel() * p.element_size() for p in parts)
         op = self.world.post(self.rank, self._next(), "gather", parts, nbytes=wire)
-        return Exchange(
-            lambda: self.world.wait(self.rank, op), lambda: self.world.is_done(self.rank, op)
-        )
+
+        def wait() -> dict:
+            received = self.world.wait(self.rank, op)
+            self._count_resends(op, wire * (len(op.members) - 1))
+            return received
+
+        return Exchange(wait, lambda: self.world.is_done(self.rank, op))
+
+    def _count_resends(self, op, nbytes: int) -> None:
+        """A retried collective sent (and received) its bytes once per failed attempt too."""
+        self.stats.bytes_sent += op.resends * nbytes
+        self.stats.bytes_received += op.resends * nbytes
 
     def _exchange(
         self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int
