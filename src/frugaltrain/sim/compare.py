@@ -117,6 +117,17 @@ def time_to_target(recs: list[dict], key: str, target: float) -> float | None:
     return None
 
 
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (utilization, loss) points no other point beats on both (higher utilization and
+    lower loss), by increasing utilization."""
+    front = [
+        (u, loss)
+        for u, loss in points
+        if not any(u2 >= u and l2 <= loss and (u2, l2) != (u, loss) for u2, l2 in points)
+    ]
+    return sorted(set(front))
+
+
 def report(out: Path, methods: list[str] | None = None, target: float | None = None) -> str:
     """Write DIR/report.md and the PNGs from the runs in DIR; returns the markdown."""
     import matplotlib
@@ -130,8 +141,12 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
     methods = methods or meta.get("methods", [])
     runs = _load(out, methods)
     first = next(iter(runs.values()))[0][0] if runs else {}
-    key = "loss/excess" if first.get("loss/floor") is not None else "loss/val"
-    label = "val loss - entropy floor (nats)" if key == "loss/excess" else "val loss (nats)"
+    if runs and all(s.get("loss/excess_paired") is not None for rs in runs.values() for s, _ in rs):
+        key, label = "loss/excess_paired", "val loss - the source's own loss on it (nats)"
+    elif first.get("loss/floor") is not None:
+        key, label = "loss/excess", "val loss - entropy floor (nats)"
+    else:
+        key, label = "loss/val", "val loss (nats)"
     if target is None and "diloco" in runs:
         # Default target: the loss DiLoCo reaches (mean over seeds), plus 2%.
         target = statistics.mean(s[key] for s, _ in runs["diloco"]) * 1.02
@@ -155,7 +170,7 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
         )
     tag = (
         "simulated clock and network; synthetic data"
-        if key == "loss/excess"
+        if key.startswith("loss/excess")
         else "simulated clock and network"
     )
     md = [f"# Compare report ({tag})", ""]
@@ -246,14 +261,22 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
         plt.close(fig)
         figs.append(name)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (m, rs) in enumerate(runs.items()):
-        u = statistics.mean(s["util/compute"] for s, _ in rs)
-        loss = statistics.mean(s[key] for s, _ in rs)
+    points = {
+        m: (
+            statistics.mean(s["util/compute"] for s, _ in rs),
+            statistics.mean(s[key] for s, _ in rs),
+        )
+        for m, rs in runs.items()
+    }
+    for i, (m, (u, loss)) in enumerate(points.items()):
         ax.scatter([u], [loss], color=f"C{i % 10}", marker="o" if m.startswith("M2") else "s")
-        ax.annotate(m, (u, loss), fontsize=7)
+        ax.annotate(m, (u, loss), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    front = pareto_front(list(points.values()))
+    ax.plot(*zip(*front, strict=True), "k--", lw=0.8, alpha=0.6, label="Pareto front")
+    ax.legend(fontsize=7)
     ax.set_xlabel("compute utilization (simulated)")
     ax.set_ylabel(f"final {label}")
-    ax.set_title(f"Pareto: utilization vs final loss, Mix2 subsets as circles ({tag})", fontsize=9)
+    ax.set_title(f"Pareto: utilization vs final loss, Mix2 subsets as circles\n({tag})", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=110)
     plt.close(fig)
