@@ -1,6 +1,6 @@
 """Markdown tables for docs/results/fgd.md from the runs of docs/results/fgd_experiments.sh.
 
-    python benchmarks/fgd_tables.py runs/fgd > tables.md
+    python benchmarks/fgd_tables.py runs/fgd [--plots docs/results] > tables.md
 
 Utilization, wall-clock and energy figures are simulated (energy: an estimate on the simulated
 clock). Losses are real losses of the real computation on the synthetic Markov source, reported
@@ -179,6 +179,80 @@ def speed(path: Path) -> str:
     return "\n".join(out)
 
 
+def plots(root: Path, out: Path) -> None:
+    """fgd_e1.png (utilization vs r), fgd_pareto.png (E2/E4), fgd_loss_vs_time.png (E3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from frugaltrain.sim.compare import pareto_front
+
+    tag = "simulated clock; loss measured on the synthetic Markov source"
+    dirs = sorted((root / "e1").glob("r*"), key=lambda p: float(p.name[1:]))
+    rs_ = [float(d.name[1:]) for d in dirs]
+    e1runs = [load(d) for d in dirs]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for i, m in enumerate(e1runs[0]):
+        ax.plot(rs_, [runs[m][0].summary["util/compute"] for runs in e1runs], "o-", label=m,
+                color=f"C{i % 10}", ms=3)  # fmt: skip
+    ax.plot(rs_, [1 / (1 + r) for r in rs_], "k:", lw=1, label="1/(1+r)")
+    ax.plot(rs_, [1 / max(1, r) for r in rs_], "k--", lw=1, label="1/max(1,r)")
+    ax.set_xscale("log")
+    ax.set_xticks(rs_, [f"{r:g}" for r in rs_])
+    ax.minorticks_off()
+    ax.set_xlabel("r = all-reduce time / H steps of compute")
+    ax.set_ylabel("compute utilization (simulated)")
+    ax.set_title(f"E1: utilization vs r ({tag})", fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "fgd_e1.png", dpi=110)
+    plt.close(fig)
+
+    e2 = load(root / "e2")
+    pts = {
+        m: (statistics.mean(r.summary["util/compute"] for r in rs),
+            statistics.mean(r.excess for r in rs))
+        for m, rs in e2.items()
+    }  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    labels: dict[tuple[float, float], list[str]] = {}
+    for i, (m, (u, ex)) in enumerate(pts.items()):
+        ax.scatter([u], [ex], color=f"C{i % 10}", marker="o" if m.startswith("M2") else "s")
+        labels.setdefault((round(u, 3), round(ex, 4)), []).append(m)
+    for (u, ex), names in labels.items():  # identical points (diloco = M2:all) share a label
+        ax.annotate(
+            " = ".join(names), (u, ex), fontsize=7, xytext=(4, 2), textcoords="offset points"
+        )
+    ax.plot(*zip(*pareto_front(list(pts.values())), strict=True), "k--", lw=0.8, alpha=0.6)
+    ax.set_xlabel("compute utilization (simulated)")
+    ax.set_ylabel("final paired excess loss (nats)")
+    ax.set_title(f"E2/E4 at r = 0.887, mean of 3 seeds; dashed: Pareto front\n({tag})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fgd_pareto.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0), sharey=True)
+    for ax, d, r in ((axes[0], root / "e2", 0.887), (axes[1], root / "e3", 1.774)):
+        if not (d / "compare.json").is_file():
+            continue
+        for i, (m, rs) in enumerate(load(d).items()):
+            if m in ("ddp", "M2:all"):  # ddp runs 10x longer; M2:all is diloco
+                continue
+            run = rs[0]  # seed 0
+            pts_ = [(x["time/sim_s"], x["loss/val"] - run.source_nll) for x in run.records
+                    if "loss/val" in x]  # fmt: skip
+            ax.plot(*zip(*pts_, strict=True), label=m, color=f"C{i % 10}", lw=1)
+        ax.set_xlabel("simulated wall-clock (s)")
+        ax.set_yscale("log")
+        ax.set_title(f"E3, r = {r}, seed 0 ({tag})", fontsize=7)
+    axes[0].set_ylabel("paired excess loss (nats)")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "fgd_loss_vs_time.png", dpi=110)
+    plt.close(fig)
+
+
 TARGETS = [0.40, 0.34, 0.30, 0.25]  # paired excess, nats: reached by most methods at r = 0.887
 
 
@@ -192,6 +266,8 @@ def main() -> None:
         print("## E3 at r = 1.774 (simulated s)\n\n" + time_to_targets(root / "e3", TARGETS))
         print("\n" + quality(root / "e3") + "\n")
     print("## E7\n\n" + faults(root, load(root / "e2")))
+    if "--plots" in sys.argv:
+        plots(root, Path(sys.argv[sys.argv.index("--plots") + 1]))
 
 
 if __name__ == "__main__":
