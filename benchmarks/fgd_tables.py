@@ -203,7 +203,7 @@ def plots(root: Path, out: Path) -> None:
     ax.minorticks_off()
     ax.set_xlabel("r = all-reduce time / H steps of compute")
     ax.set_ylabel("compute utilization (simulated)")
-    ax.set_title(f"E1: utilization vs r ({tag})", fontsize=8)
+    ax.set_title("E1: utilization vs r (simulated clock and network)", fontsize=8)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "fgd_e1.png", dpi=110)
@@ -232,22 +232,24 @@ def plots(root: Path, out: Path) -> None:
     fig.savefig(out / "fgd_pareto.png", dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.0), sharey=True)
+    color = {m: f"C{i % 10}" for i, m in enumerate(e2)}  # same colour per method in both panels
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     for ax, d, r in ((axes[0], root / "e2", 0.887), (axes[1], root / "e3", 1.774)):
         if not (d / "compare.json").is_file():
             continue
-        for i, (m, rs) in enumerate(load(d).items()):
+        for m, rs in load(d).items():
             if m in ("ddp", "M2:all"):  # ddp runs 10x longer; M2:all is diloco
                 continue
             run = rs[0]  # seed 0
             pts_ = [(x["time/sim_s"], x["loss/val"] - run.source_nll) for x in run.records
                     if "loss/val" in x]  # fmt: skip
-            ax.plot(*zip(*pts_, strict=True), label=m, color=f"C{i % 10}", lw=1)
+            ax.plot(*zip(*pts_, strict=True), label=m, color=color[m], lw=1)
         ax.set_xlabel("simulated wall-clock (s)")
         ax.set_yscale("log")
-        ax.set_title(f"E3, r = {r}, seed 0 ({tag})", fontsize=7)
+        ax.set_title(f"E3, r = {r}, seed 0", fontsize=9)
+        ax.legend(fontsize=6)
     axes[0].set_ylabel("paired excess loss (nats)")
-    axes[0].legend(fontsize=6)
+    fig.suptitle(tag, fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "fgd_loss_vs_time.png", dpi=110)
     plt.close(fig)

@@ -4,7 +4,8 @@ Design (docs/sim.md): one OS thread per virtual worker runs the same per-worker 
 train/loop.py (before_step, forward, backward, sync_grads, clip, AdamW, schedule, after_step)
 on its own model, AdamW and outer strategy object (outer/, unchanged), talking through a
 `SimComm`. At most `sim.compute_threads` workers compute at once (a semaphore): torch releases
-the GIL inside ops, so 2 threads keep 2 cores busy, and the rest wait without spinning.
+the GIL inside ops, so 2 threads can use 2 cores (1.07-1.37x a one-at-a-time loop at this
+model size, measured), and the rest wait without spinning.
 Every worker thread meets the others at each round end (a barrier); the last to arrive runs the
 round's bookkeeping single-threaded: metrics, rollback, crash and rejoin.
 
