@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from frugaltrain.sim import SimSection, simulate
+from frugaltrain.sim.config import validate_sim
 
 
 def test_forge_adamw_workers_match_adamw_workers(make_config):
@@ -11,7 +12,9 @@ def test_forge_adamw_workers_match_adamw_workers(make_config):
     sets = ("run.workers=4", "run.steps=12", "outer.strategy='fgd'", "outer.mix1='ring'")
     sets += ("run.eval_every=0", "optim.grad_clip=0.5")
     ref = simulate(make_config(*sets), SimSection(ratio=0.5, compute_threads=2))
-    got = simulate(make_config(*sets, "optim.name='forge-adamw'"), SimSection(ratio=0.5))
+    forge_cfg = make_config(*sets, "optim.name='forge-adamw'")
+    validate_sim(SimSection(ratio=0.5), forge_cfg)  # `simulate CONFIG` accepts it too
+    got = simulate(forge_cfg, SimSection(ratio=0.5))
     for a, b in zip(ref.models, got.models, strict=True):
         for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
             # fp32 FORGE equals torch AdamW to ~1e-6 relative per step (tests/forge); 12 steps
