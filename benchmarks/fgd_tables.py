@@ -19,7 +19,7 @@ from pathlib import Path
 
 from frugaltrain.config import Config, build_config, read_toml
 from frugaltrain.data.markov import markov_source_nll
-from frugaltrain.sim.compare import _safe
+from frugaltrain.sim.compare import _ms, _safe
 from frugaltrain.sim.engine import validation_batches
 
 
@@ -64,16 +64,6 @@ def load(d: Path) -> dict[str, list[Run]]:
             run = Run(int(rd.name[4:]), summary, records, _source_nll(rd, summary))
             out.setdefault(m, []).append(run)
     return out
-
-
-def _ms(values: list[float | None], fmt: str = ".4f") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return format(values[0], fmt)
-    mean, std = statistics.mean(values), statistics.stdev(values)
-    return f"{format(mean, fmt)} ± {format(std, fmt.lstrip('+'))}"
 
 
 def _gap_pct(runs: list[Run], ref: list[Run], of=lambda r: r.excess) -> list[float]:

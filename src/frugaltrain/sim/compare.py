@@ -94,7 +94,8 @@ def _ms(values: list[float], fmt: str = ".4f") -> str:
         return "-"
     if len(values) == 1:
         return f"{values[0]:{fmt}}"
-    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{fmt}}"
+    spread = fmt.lstrip("+")  # a signed mean ("+.1f") with an unsigned spread
+    return f"{statistics.mean(values):{fmt}} ± {statistics.stdev(values):{spread}}"
 
 
 def _kj(s: dict) -> float | None:

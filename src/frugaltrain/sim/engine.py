@@ -93,7 +93,7 @@ class _Sim:
         self.host_meter.start()
         M = self.M = r.workers
         corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
-        self.val_batches = validation_batches(cfg)
+        self.val_batches = validation_batches(cfg, corpus.val)
         self.floor = self.source_nll = None
         if d.path.startswith("markov:"):
             from frugaltrain.data.markov import markov_floor, markov_source_nll
@@ -450,11 +450,15 @@ class _Sim:
         }
 
 
-def validation_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed held-out batches every worker and the averaged model are scored on."""
+def validation_batches(
+    cfg: Config, val_tokens: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed held-out batches every worker and the averaged model are scored on (from the
+    corpus's validation tokens; read here when not given)."""
     d = cfg.data
-    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
-    sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + cfg.run.seed)
+    if val_tokens is None:
+        val_tokens = load_corpus(d.path, d.max_bytes, d.val_fraction).val
+    sampler = BatchSampler(val_tokens, d.seq_len, d.batch_size, seed=10_007 + cfg.run.seed)
     return [sampler.batch(i) for i in range(cfg.run.eval_batches)]
 
 
