@@ -32,6 +32,7 @@ def test_key_set_is_pinned():
             "deterministic_comm",
             "progress",
             "fault_tolerance",
+            "mix1_deadline_s",
             "inject",
         ],
         "data": [

@@ -65,9 +65,14 @@ class RunSection:
     """Membership epochs, deadlines and rejoin (frugaltrain.ft): workers that die or stop
     answering for run.timeout_s are dropped, restarted ones rejoin from a live peer; local
     launches only. See docs/fault_tolerance.md."""
+    mix1_deadline_s: float = 10.0
+    """Fault-tolerant runtime: the longest a worker waits at a round end for Mix1 messages still
+    missing (a straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and
+    the row renormalized, so Mix1 never waits on a straggler beyond this."""
     inject: str = ""
     """Faults to inject (needs fault_tolerance), ';'-separated: 'kill:worker=2,round=5',
-    'hang:worker=1,round=3', 'slow:worker=1,factor=3', 'drop:p=0.1' (see frugaltrain.ft.inject)."""
+    'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5', 'slow:worker=1,factor=3',
+    'drop:p=0.1' (see frugaltrain.ft.inject)."""
 
 
 @dataclass(kw_only=True)
@@ -213,6 +218,7 @@ def validate(cfg: Config) -> None:
     )
     _require(r.device in ("cpu", "cuda"), "run.device", r.device, "choose cpu or cuda")
     _require(r.timeout_s > 0, "run.timeout_s", r.timeout_s, "must be positive")
+    _require(r.mix1_deadline_s > 0, "run.mix1_deadline_s", r.mix1_deadline_s, "must be positive")
     _require(
         not r.inject or r.fault_tolerance,
         "run.inject",

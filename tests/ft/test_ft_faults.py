@@ -83,28 +83,107 @@ def test_ft_kill_and_rejoin(config_factory, tmp_path: Path):
     assert abs(got - ref) / ref < 0.05, (got, ref)
 
 
-def test_ft_silent_worker_does_not_hang_others(config_factory, tmp_path: Path):
-    timeout_s = 3.0
+@pytest.mark.parametrize(
+    "strategy, detected_by",
+    [
+        # fgd: worker 1's Mix1 message is late, and its heartbeat has stopped.
+        (["outer.strategy='fgd'", "outer.preset='GlobalM1'"], "no heartbeat"),
+        # diloco: the blocking all-reduce waits run.timeout_s, then drops the silent member.
+        (["outer.strategy='diloco'", "outer.preset=''"], "run.timeout_s"),
+    ],
+    ids=["fgd-mix1-deadline", "diloco-timeout"],
+)
+def test_ft_silent_worker_does_not_hang_others(
+    config_factory, tmp_path: Path, strategy, detected_by
+):
+    timeout_s, mix1_deadline_s, hb_timeout_s = 3.0, 1.0, 1.0
     cfg = config_factory(
         tmp_path,
         *COMMON,
+        *strategy,
         "run.steps=60",
         "run.fault_tolerance=true",
         f"run.timeout_s={timeout_s}",
+        f"run.mix1_deadline_s={mix1_deadline_s}",
         "run.inject='hang:worker=1,round=3'",
     )
     run_dir, wall, records = _run(cfg)
     events = [r for r in records if r.get("kind") == "membership"]
     assert events and events[0]["event"] == "left" and events[0]["workers"] == [1], events
-    assert "run.timeout_s" in events[0]["reason"]
+    assert detected_by in events[0]["reason"], events[0]
     assert events[-1]["members"] == [0, 2]
     rounds = [r for r in records if r.get("kind") == "round"]
     assert [r["round"] for r in rounds] == list(range(1, 16))
-    # The worst stall between two round ends is the deadline plus the heartbeat timeout (1 s)
-    # plus slack for a busy machine; never an unbounded hang.
+    # The worst stall between two round ends is the deadline that fired (the Mix1 deadline, or
+    # run.timeout_s for a blocking all-reduce) plus the heartbeat timeout (once to call the
+    # peer silent, once to agree on who is left) plus slack for a busy machine: never a hang.
+    fired = mix1_deadline_s if detected_by == "no heartbeat" else timeout_s
     walls = [r["time/wall_s"] for r in rounds]
     stall = max(b - a for a, b in zip(walls, walls[1:], strict=False))
-    assert timeout_s <= stall < timeout_s + 1.0 + 4.0, walls
+    assert fired <= stall < fired + 2 * hb_timeout_s + 4.0, walls
+
+
+def _lag(records: list[dict]) -> list[tuple[int, int]]:
+    """(worker 0's round, the slowest member's round then) before the final, synchronizing one."""
+    rounds = [r for r in records if r.get("kind") == "round" and "ft/slowest_round" in r]
+    return [(r["round"], r["ft/slowest_round"]) for r in rounds[:-1]]
+
+
+def test_ft_straggler_delays_only_blocking_participants(config_factory, tmp_path: Path):
+    # Worker 1 computes 10x slower, so its rounds take longer than the others' rounds plus the
+    # Mix1 deadline. fgd GlobalM1 has no blocking step between evaluations: the others skip its
+    # late Mix1 messages after run.mix1_deadline_s and run ahead. DiLoCo's all-reduce has every
+    # worker as a participant: everybody runs at the straggler's pace.
+    common = [
+        *COMMON,
+        "run.steps=100",
+        "run.eval_every=0",
+        "run.fault_tolerance=true",
+        "run.timeout_s=60",
+        "run.mix1_deadline_s=0.05",
+        "run.inject='slow:worker=1,factor=10'",
+    ]
+    _, _, fgd = _run(config_factory(tmp_path / "fgd", *common))
+    _, _, diloco = _run(
+        config_factory(tmp_path / "diloco", *common, "outer.strategy='diloco'", "outer.preset=''")
+    )
+
+    for records in (fgd, diloco):  # nobody was dropped, every round was logged
+        assert not [r for r in records if r.get("kind") == "membership"]
+        assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 26))
+    fgd_lag, diloco_lag = _lag(fgd), _lag(diloco)
+    # fgd: by worker 0's last rounds the straggler is far behind (a quarter to a half of the way,
+    # depending on the step time against the deadline), and worker 0 dropped its late messages.
+    last, slowest = fgd_lag[-1]
+    assert slowest <= 0.75 * last, fgd_lag
+    assert sum(r.get("ft/mix1_late", 0) for r in fgd) >= 10
+    # diloco: the all-reduce keeps everyone within a round of each other.
+    assert all(own - slowest <= 1 for own, slowest in diloco_lag), diloco_lag
+
+
+def test_ft_partitioned_worker_leaves_and_rejoins(config_factory, tmp_path: Path):
+    # Worker 1 is cut off for 5 s mid-round 3: no heartbeat, no message. The others drop it at
+    # their next Mix1 deadline; when the partition heals it finds itself evicted, exits, and the
+    # launcher restarts it; it rejoins with a live peer's state. Nobody hangs.
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        "run.steps=200",
+        "run.fault_tolerance=true",
+        "run.timeout_s=8",  # heartbeat timeout 2 s: shorter than the partition
+        "run.mix1_deadline_s=0.5",
+        "run.inject='partition:worker=1,round=3,seconds=5;slow:factor=5'",
+    )
+    _, _, records = _run(cfg)
+    events = [r for r in records if r.get("kind") == "membership"]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "left" and events[0]["workers"] == [1], events
+    assert "no heartbeat" in events[0]["reason"]
+    assert "joined" in kinds and "rejoined" in kinds, events
+    rejoined = next(e for e in events if e["event"] == "rejoined")
+    assert rejoined["worker"] == 1 and rejoined["match"], rejoined
+    assert events[-1]["members"] == [0, 1, 2]
+    assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 51))
 
 
 def test_ft_inject_specs():
@@ -112,11 +191,21 @@ def test_ft_inject_specs():
     assert [f.kind for f in faults] == ["kill", "slow", "drop"]
     inj = Injector(faults, rank=2, H=4, first_incarnation=True, seed=0)
     assert inj.stops == {18: "kill"}  # halfway through round 5: (5 - 1) * 4 + 2
+    cut = Injector(parse("partition:worker=1,round=2,seconds=4"), 1, 4, True, 0)
+    assert cut.stops == {6: "partition"} and cut.partition_s == 4.0
     assert Injector(faults, 2, 4, first_incarnation=False, seed=0).stops == {}
     drops = [inj.dropped(0, seq, 0, 1) for seq in range(2000)]
     assert drops == [inj.dropped(0, seq, 0, 1) for seq in range(2000)]  # deterministic
     assert 0.08 < sum(drops) / len(drops) < 0.12
-    for bad in ("kill:worker=2", "explode:worker=1", "drop:p=1.5", "slow:worker=1,factor=0.5"):
+    bad_specs = (
+        "kill:worker=2",
+        "explode:worker=1",
+        "drop:p=1.5",
+        "slow:worker=1,factor=0.5",
+        "partition:worker=1,round=2",
+        "partition:worker=1,round=2,seconds=0",
+    )
+    for bad in bad_specs:
         with pytest.raises(ValueError, match="run.inject"):
             parse(bad)
 

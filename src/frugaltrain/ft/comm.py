@@ -27,6 +27,17 @@ How a failure is handled (every worker runs the same code):
             old member sends it its whole worker state (outer x and momentum, round, step,
             inner AdamW and schedule) point to point.
 
+Two things never wait on a straggler (only the participants of blocking operations do):
+
+    Mix1    a non-blocking mix (fgd's Mix1) goes point to point, outside the sequence above:
+            each message is tagged with the worker's Mix1 count (one per round, the same on
+            every worker), and at the round end a worker waits at most run.mix1_deadline_s for
+            the ones still missing. A late message is dropped (the row is renormalized over what
+            arrived, as for a lost message); a peer that is late and whose heartbeat stopped, or
+            whose socket broke, is reported and the members re-form at the round end.
+    metrics the per-round logging scalars go through the store, and worker 0 writes a round's
+            record once every member's scalars are in (at the latest at a checkpoint or the end).
+
 Membership changes are printed with a worker/round prefix and handed to worker 0's metrics log
 as `"kind": "membership"` records.
 """
@@ -46,13 +57,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from frugaltrain.comm import compress
+from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
 from frugaltrain.ft.inject import Injector, fire
 
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
 _HB_PERIOD_S = 0.2
 _LOG_KEEP = 8  # completed operations whose inputs are kept for a re-post after a failure
+_PARTS = 4  # tag space per Mix1 message: one tag per encoded part
+_FOREVER = timedelta(days=365)  # gloo closes a pair whose wait times out: never let it
 
 
 def state_digest(state: dict) -> str:
@@ -95,6 +108,7 @@ class ElasticComm(Comm):
         rank: this worker's fixed rank (its data shard and its name in logs).
         world_size: configured number of workers.
         timeout_s: deadline of every wait (run.timeout_s), seconds.
+        mix1_deadline_s: longest wait for missing Mix1 messages at a round end (see above).
         injector: faults to apply to this worker (ft.inject).
         host, port: where the store listens (the heartbeat thread opens its own client).
     """
@@ -106,6 +120,7 @@ class ElasticComm(Comm):
         world_size: int,
         *,
         timeout_s: float,
+        mix1_deadline_s: float = 10.0,
         injector: Injector | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -115,6 +130,7 @@ class ElasticComm(Comm):
         self.store = store
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
+        self.mix1_deadline_s = mix1_deadline_s
         self.hb_timeout_s = max(1.0, min(3.0, timeout_s / 4))
         self.injector = injector
         self.incarnation = incarnation
@@ -125,8 +141,14 @@ class ElasticComm(Comm):
         self.events: list[dict] = []  # membership records for worker 0's metrics log
         self.round = 0
         self.dropped = 0
+        self.mix1_seq = 0  # Mix1 messages posted (their tag); equal on every worker per round
+        self.metric_seq = 0  # rounds of logging scalars posted to the store
+        self.mix1_late = 0  # Mix1 messages dropped at the deadline, this round (worker's view)
+        self._in_flight: list[threading.Thread] = []  # background waits on Mix1 sends/recvs
         self._records_due: list[str] = []
+        self._joined_at: dict[int, int] = {}  # a (re)joined member's first metric_seq
         self._stop = threading.Event()
+        self._silent = threading.Event()  # an injected partition: no heartbeat
         # Heartbeats start on becoming a member: a restarted worker waiting to rejoin must not
         # look alive under its rank while the others decide who is left.
         self._hb = threading.Thread(target=self._beat, args=(host, port), daemon=True)
@@ -138,7 +160,8 @@ class ElasticComm(Comm):
         try:
             client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
             while not self._stop.is_set():
-                client.add(f"ft/hb/{self.rank}", 1)
+                if not self._silent.is_set():
+                    client.add(f"ft/hb/{self.rank}", 1)
                 self._stop.wait(_HB_PERIOD_S)
         except Exception:  # the store went away: the run is over
             return
@@ -270,7 +293,8 @@ class ElasticComm(Comm):
 
     def _recover(self, reason: str, stuck_seq: int, deadline: bool) -> None:
         e, members = self.epoch, self.members
-        self.store.compare_set(f"ft/ep/{e}/broken", "", reason)
+        # The first report of this epoch's failure names it for everybody.
+        reason = self.store.compare_set(f"ft/ep/{e}/broken", "", reason).decode()
         while True:
             key = f"ft/ep/{e + 1}/members"
             if not self._has(key):
@@ -330,6 +354,130 @@ class ElasticComm(Comm):
 
         return Handle(self.stats, finish, lambda: self._completed(op))
 
+    def mix_(
+        self,
+        tensors: list[torch.Tensor],
+        w: np.ndarray,
+        *,
+        codec: str = "fp32",
+        blocking: bool = True,
+    ) -> Handle:
+        """A blocking mix is a sequenced operation (below); a non-blocking one (Mix1) goes
+        point to point with a deadline, so a straggler never holds it up for long."""
+        n = len(self.members)
+        if blocking or n == 1 or not tensors or np.array_equal(w, np.eye(n)):
+            return super().mix_(tensors, w, codec=codec, blocking=blocking)
+        if w.shape != (n, n):
+            raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
+        return self._mix_with_deadline(tensors, w, codec)
+
+    def _in_background(self, works: list, pg) -> threading.Event:
+        """Wait for gloo `works` on a thread (gloo's p2p works report completion only through
+        wait(), and a wait that times out closes the pair). The event is set when they are
+        done; `errors` on the event holds the failure, if any."""
+        done = threading.Event()
+        done.error = None  # type: ignore[attr-defined]
+
+        def wait() -> None:
+            try:
+                for work in works:
+                    work.wait(_FOREVER)
+            except Exception as e:  # a dead peer: its sockets closed
+                done.error = _short(e)  # type: ignore[attr-defined]
+            done.pg = None  # type: ignore[attr-defined]  # the group may go now
+            done.set()
+
+        done.pg = pg  # type: ignore[attr-defined]  # keeps an old epoch's group alive meanwhile
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        self._in_flight = [t for t in self._in_flight if t.is_alive()] + [thread]
+        return done
+
+    def _heartbeat(self, member: int) -> int:
+        key = f"ft/hb/{member}"
+        return int(self.store.get(key)) if self._has(key) else 0
+
+    def _mix_with_deadline(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
+        if self._has(f"ft/ep/{self.epoch}/broken"):
+            old = list(self.members)
+            self._recover("another worker reported a failure", self.seq, deadline=False)
+            # w was built for the old members: keep the survivors' entries (rows are
+            # renormalized over what arrives anyway); the next round builds w for the new ones.
+            keep = [old.index(m) for m in self.members]
+            w = w[np.ix_(keep, keep)]
+        members, me, pg = list(self.members), self.position, self.pg
+        send_to, recv_from = topology.peers(w, me)
+        k = self.mix1_seq
+        tag = (k % (1 << 20)) * _PARTS
+        flat = flatten(tensors)
+        parts = [p.contiguous() for p in compress.encode(flat, codec)]
+        for j in send_to:  # a send completes when its peer takes it
+            try:
+                self._in_background([pg.send([p], j, tag + i) for i, p in enumerate(parts)], pg)
+            except RuntimeError as e:  # the pair is closed: that peer is gone; re-form first
+                self._report(f"worker {members[j]}: {_short(e)}")
+                return self._mix_with_deadline(tensors, w, codec)
+        self.mix1_seq += 1
+        wire = compress.wire_bytes(flat.numel(), codec)
+        self.stats.bytes_sent += wire * len(send_to)
+        self.stats.bytes_received += wire * len(recv_from)
+        bufs = {j: [torch.empty_like(p) for p in parts] for j in recv_from}
+        arrived = {}
+        for j in recv_from:
+            try:
+                works = [pg.recv([b], j, tag + i) for i, b in enumerate(bufs[j])]
+                arrived[j] = self._in_background(works, pg)
+            except RuntimeError as e:
+                arrived[j] = threading.Event()
+                arrived[j].error = _short(e)  # type: ignore[attr-defined]
+                arrived[j].set()
+        beats = {j: self._heartbeat(members[j]) for j in recv_from}
+        posted = time.monotonic()
+
+        deadline = min(self.mix1_deadline_s, self.timeout_s)
+
+        def finish() -> None:
+            t0 = time.monotonic()
+            while not all(e.is_set() for e in arrived.values()):
+                if time.monotonic() - t0 > deadline:
+                    break
+                time.sleep(0.001)
+            rows, flats = [w[me, me]], [flat]
+            for j in recv_from:
+                r = members[j]
+                if not arrived[j].is_set():
+                    self.mix1_late += 1
+                    self._check_silent(r, beats[j], posted)
+                    continue
+                if arrived[j].error is not None:
+                    self._report(f"worker {r}: {arrived[j].error}")
+                    continue
+                if self.injector and self.injector.dropped(0, k, r, self.rank):
+                    self.dropped += 1
+                    continue
+                rows.append(w[me, j])
+                flats.append(compress.decode(bufs[j], codec, flat.numel()))
+            total = sum(rows)  # rows renormalized over the messages that arrived in time
+            unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
+
+        return Handle(self.stats, finish, lambda: all(e.is_set() for e in arrived.values()))
+
+    def _report(self, reason: str) -> None:
+        """Mark the epoch broken; the members re-form at the next round end (or operation)."""
+        self.store.compare_set(f"ft/ep/{self.epoch}/broken", "", reason)
+
+    def _check_silent(self, member: int, beat: int, since: float) -> None:
+        """A Mix1 message is late: a straggler (heartbeat moving) is only skipped; a silent
+        peer (no heartbeat for the heartbeat timeout) is reported."""
+        while self._heartbeat(member) == beat:
+            if time.monotonic() - since >= self.hb_timeout_s:
+                self._report(
+                    f"worker {member}: no heartbeat for {self.hb_timeout_s:g} s "
+                    f"(late for Mix1 by {min(self.mix1_deadline_s, self.timeout_s):g} s)"
+                )
+                return
+            time.sleep(0.05)
+
     def _mix(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
         members, me = list(self.members), self.position
         flat = flatten(tensors)
@@ -362,13 +510,55 @@ class ElasticComm(Comm):
         t.copy_(self._wait(self._post("max", [t]))[0])
 
     def metric_mean_async(self, values: list[float]) -> Callable[[], list[float]]:
-        op = self._post("sum", [torch.tensor(values, dtype=torch.float64)])
+        """Per-round logging scalars go through the store, so no worker waits for them; the
+        result (worker 0 writes the log) averages over the members that posted, and its
+        `ready()` says whether they all have."""
+        k = self.metric_seq
+        self.metric_seq += 1
+        self.store.set(f"ft/metric/{k}/{self.rank}", json.dumps(list(values)))
+        if self.rank != 0:  # only worker 0 logs
+
+            def own() -> list[float]:
+                return list(values)
+
+            own.ready = lambda: True  # type: ignore[attr-defined]
+            return own
+        expected = list(self.members)
+
+        def keys() -> list[str]:  # members that left since do not count, nor rejoined ones
+            return [
+                f"ft/metric/{k}/{m}"
+                for m in expected
+                if m in self.members and self._joined_at.get(m, 0) <= k
+            ]
+
+        def ready() -> bool:
+            return self.store.check(keys())
 
         def result() -> list[float]:
-            total, n = self._wait(op)
-            return (total / n).tolist()
+            t0 = time.monotonic()
+            while not ready() and time.monotonic() - t0 < self.timeout_s:
+                if self._has(f"ft/ep/{self.epoch}/broken"):
+                    self._recover("another worker reported a failure", self.seq, deadline=False)
+                time.sleep(0.01)
+            got = [json.loads(self.store.get(key)) for key in keys() if self._has(key)]
+            for key in keys():
+                self.store.delete_key(key)
+            return np.mean(np.array(got, dtype=np.float64), axis=0).tolist()
 
+        result.ready = ready  # type: ignore[attr-defined]
         return result
+
+    def round_fields(self) -> dict:
+        """Fault-tolerance fields of worker 0's round record: how far behind the slowest
+        member is, and the Mix1 messages worker 0 dropped at the deadline this round."""
+        keys = [f"ft/at/{m}" for m in self.members]
+        at = [int(v) for v in self.store.multi_get(keys)] if self.store.check(keys) else []
+        fields = {"ft/members": len(self.members), "ft/mix1_late": self.mix1_late}
+        if at:
+            fields["ft/slowest_round"] = min(at)
+        self.mix1_late = 0
+        return fields
 
     def barrier(self) -> None:
         self._wait(self._post("sum", [torch.zeros(1)]))
@@ -381,6 +571,12 @@ class ElasticComm(Comm):
         fault = self.injector.on_step(step, compute_s)
         if fault is not None:
             print(f"[worker {self.rank} step {step}] injected fault: {fault}", flush=True)
+            if fault == "partition":  # silent, alive, sockets open; then back
+                self._silent.set()
+                time.sleep(self.injector.partition_s)
+                self._silent.clear()
+                print(f"[worker {self.rank} step {step}] partition healed", flush=True)
+                return
             if fault == "hang":
                 self._stop.set()  # heartbeats stop with the process
                 time.sleep(2 * _HB_PERIOD_S)
@@ -390,6 +586,10 @@ class ElasticComm(Comm):
         """At a round end: admit restarted workers (same decision on every member) and send
         them this worker's state if it is the donor."""
         self.round = round_idx
+        self.store.set(f"ft/at/{self.rank}", str(round_idx))
+        if self._has(f"ft/ep/{self.epoch}/broken"):  # e.g. a Mix1 peer failed this round
+            reason = self.store.get(f"ft/ep/{self.epoch}/broken").decode()
+            self._recover(reason, self.seq, deadline=False)
         if self.rank == 0:  # the joiners' own records, set before they took part in this round
             for key in [k for k in self._records_due if self._has(k)]:
                 self.events.append(json.loads(self.store.get(key)))
@@ -413,9 +613,11 @@ class ElasticComm(Comm):
             for t in tokens:
                 self.store.set(f"ft/admitted/{t}", json.dumps(info))
         self._new_epoch(e, new)
+        for j in joiners:  # they post logging scalars from the next round on
+            self._joined_at[j] = self.metric_seq
         if self.rank == donor:
             state = state_fn()
-            state["ft_seq"] = self.seq
+            state["ft_seq"] = (self.seq, self.mix1_seq, self.metric_seq)
             buf = io.BytesIO()
             torch.save(state, buf)
             payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
@@ -451,7 +653,7 @@ class ElasticComm(Comm):
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.recv([payload], pos, 2).wait()
         state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
-        self.seq = state.pop("ft_seq")
+        self.seq, self.mix1_seq, self.metric_seq = state.pop("ft_seq")
         load(state)
         mine = state_digest(state_fn())  # what this worker now holds, after loading
         self.store.wait([f"ft/donor_digest/{self.round}"], timedelta(seconds=self.timeout_s))

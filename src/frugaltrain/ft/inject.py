@@ -4,12 +4,18 @@ Specs are `;`-separated, each `kind:key=value,...`:
 
     kill:worker=2,round=5      SIGKILL worker 2 halfway through outer round 5 (1-based), once
     hang:worker=1,round=3      worker 1 stops answering (SIGSTOP, heartbeats included) mid-round 3
+    partition:worker=1,round=3,seconds=5
+                               worker 1 is cut off mid-round 3 for 5 s: no heartbeat, no message
+                               sent or taken, then it comes back (its sockets stay open, as
+                               behind a partition that heals; the others have dropped it by
+                               then, so it leaves and rejoins)
     slow:worker=1,factor=3     worker 1's inner steps take `factor` times their measured time
                                (it sleeps the difference; without worker=, every worker)
     drop:p=0.1                 each gossip message a worker receives is dropped with probability p
                                (deterministic by seed; the receiver renormalizes its row)
 
-Kill and hang fire only in a worker's first incarnation, so a restarted worker does not repeat them.
+Kill, hang and partition fire only in a worker's first incarnation, so a restarted worker does not
+repeat them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import numpy as np
 
 _KEYS = {"kill": {"worker", "round"}, "hang": {"worker", "round"}, "slow": {"worker", "factor"}}
 _KEYS["drop"] = {"p"}
+_KEYS["partition"] = {"worker", "round", "seconds"}
+_ONCE = ("kill", "hang", "partition")  # faults that fire at one step of one worker
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class Fault:
     round: int = 0
     factor: float = 1.0
     p: float = 0.0
+    seconds: float = 0.0
 
 
 def parse(spec: str) -> list[Fault]:
@@ -41,8 +50,8 @@ def parse(spec: str) -> list[Fault]:
         kind, _, args = part.partition(":")
         if kind not in _KEYS:
             raise ValueError(
-                f"run.inject part {part!r}: unknown fault {kind!r}; use kill, hang, slow or drop "
-                "(e.g. 'kill:worker=2,round=5')"
+                f"run.inject part {part!r}: unknown fault {kind!r}; use kill, hang, partition, "
+                "slow or drop (e.g. 'kill:worker=2,round=5')"
             )
         values: dict[str, float] = {}
         for item in filter(None, (a.strip() for a in args.split(","))):
@@ -59,7 +68,9 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"run.inject part {part!r}: p must be in [0, 1)")
         if kind == "slow" and values["factor"] < 1.0:
             raise ValueError(f"run.inject part {part!r}: factor must be >= 1")
-        if kind in ("kill", "hang") and values["round"] < 1:
+        if kind == "partition" and values["seconds"] <= 0:
+            raise ValueError(f"run.inject part {part!r}: seconds must be positive")
+        if kind in _ONCE and values["round"] < 1:
             raise ValueError(f"run.inject part {part!r}: round counts from 1")
         faults.append(
             Fault(
@@ -68,6 +79,7 @@ def parse(spec: str) -> list[Fault]:
                 round=int(values.get("round", 0)),
                 factor=values.get("factor", 1.0),
                 p=values.get("p", 0.0),
+                seconds=values.get("seconds", 0.0),
             )
         )
     return faults
@@ -81,16 +93,17 @@ class Injector:
         self.H = H
         self.slow = max([f.factor for f in mine if f.kind == "slow"], default=1.0)
         self.drop_p = max([f.p for f in mine if f.kind == "drop"], default=0.0)
+        self.partition_s = max([f.seconds for f in mine if f.kind == "partition"], default=0.0)
         # A fault "mid-round r" fires after step (r - 1) H + ceil(H / 2).
         self.stops = {}
         if first_incarnation:
             for f in mine:
-                if f.kind in ("kill", "hang"):
+                if f.kind in _ONCE:
                     self.stops[(f.round - 1) * H + (H + 1) // 2] = f.kind
         self.seed = seed
 
     def on_step(self, step: int, compute_s: float) -> str | None:
-        """Sleep for a straggler; return "kill"/"hang" when that fault is due at `step`."""
+        """Sleep for a straggler; return "kill", "hang" or "partition" when it is due at `step`."""
         if self.slow > 1.0:
             time.sleep((self.slow - 1.0) * compute_s)
         return self.stops.get(step)

@@ -46,6 +46,7 @@ def _worker(rank: int, cfg_toml: str, run_dir: str, host: str, port: int, resume
         rank,
         cfg.run.workers,
         timeout_s=cfg.run.timeout_s,
+        mix1_deadline_s=cfg.run.mix1_deadline_s,
         injector=injector,
         host=host,
         port=port,

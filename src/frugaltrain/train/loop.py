@@ -27,6 +27,8 @@ import math
 import os
 import random
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,7 +244,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     t_start = time.perf_counter()
     round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
     stats_at_round_start = comm.stats.copy()
-    pending = None
+    pending: deque[tuple[dict, Callable[[], list[float]], bool]] = deque()
     step_records: list[tuple[int, float, float]] = []
     flops_per_token = transformer_train_flops(
         cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, d.seq_len, cfg.model.vocab_size, 1
@@ -254,11 +256,19 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
             log.write({"kind": "step", "step": step_, "loss/train": loss_, "lr": lr_})
         step_records.clear()
 
-    def emit_round(pending: tuple | None) -> None:
+    def emit_rounds(everything: bool = False) -> None:
+        """Write the pending round records whose means are in: under the fault-tolerant
+        runtime those all members have posted (a straggler never holds a worker back), else
+        all but the newest (waiting for round t's means once round t + 1 runs). `everything`
+        waits for all of them (a checkpoint, the end)."""
+        while pending:
+            ready = getattr(pending[0][1], "ready", None)
+            if not everything and not (ready() if ready else len(pending) > 1):
+                return
+            emit_round(*pending.popleft())
+
+    def emit_round(record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
         """Complete a round record with the workers' means and write it."""
-        if pending is None:
-            return None
-        record, means, has_val = pending
         mean = means()
         compute, blocking = mean[1], mean[2]
         record.update(
@@ -282,7 +292,6 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
                 bar.set_postfix(val=f"{mean[5]:.3f}")
         log.write(record)
         log.flush()
-        return None
 
     while step < r.steps:
         # ---- one inner step (compute), with the gradient sync of DDP counted as blocking
@@ -368,14 +377,16 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         )
         # Scalars of round t are logged once round t + 1 has started (or at a checkpoint or the
         # end), so logging never makes a worker wait for the others.
-        emit_round(pending)
-        pending = (record, means, val_loss is not None)
+        if ft is not None and is_main:
+            record.update(ft.round_fields())
+        pending.append((record, means, val_loss is not None))
+        emit_rounds()
         round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
         stats_at_round_start = comm.stats.copy()
 
         last = step >= r.steps or (stop_round is not None and round_idx >= stop_round)
         if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
-            pending = emit_round(pending)
+            emit_rounds(everything=True)
             checkpoint.save_worker(run_dir, round_idx, rank, worker_state())
             # COMPLETE goes next to the files of each machine's workers (local rank 0 under
             # torchrun, so a machine without a shared file system can resume too).
@@ -394,7 +405,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         if stop_round is not None and round_idx >= stop_round:
             break
 
-    emit_round(pending)
+    emit_rounds(everything=True)
     if bar is not None:
         bar.close()
     log.close()
