@@ -167,6 +167,13 @@ class Comm:
             raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
         if n == 1 or not tensors or np.array_equal(w, np.eye(n)):
             return Handle(self.stats)
+        return self._start_mix(tensors, w, codec, blocking)
+
+    def _start_mix(
+        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, blocking: bool
+    ) -> Handle:
+        """A validated, non-trivial mix: a complete `w` is an all-reduce, else `_mix`."""
+        n = len(self.members)
         if np.allclose(w, 1.0 / n):
             return self.all_reduce_mean_(tensors, blocking=blocking, codec=codec)
         handle = self._mix(tensors, w, codec)

@@ -354,21 +354,13 @@ class ElasticComm(Comm):
 
         return Handle(self.stats, finish, lambda: self._completed(op))
 
-    def mix_(
-        self,
-        tensors: list[torch.Tensor],
-        w: np.ndarray,
-        *,
-        codec: str = "fp32",
-        blocking: bool = True,
+    def _start_mix(
+        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, blocking: bool
     ) -> Handle:
         """A blocking mix is a sequenced operation (below); a non-blocking one (Mix1) goes
         point to point with a deadline, so a straggler never holds it up for long."""
-        n = len(self.members)
-        if blocking or n == 1 or not tensors or np.array_equal(w, np.eye(n)):
-            return super().mix_(tensors, w, codec=codec, blocking=blocking)
-        if w.shape != (n, n):
-            raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
+        if blocking:
+            return super()._start_mix(tensors, w, codec, blocking)
         return self._mix_with_deadline(tensors, w, codec)
 
     def _in_background(self, works: list, pg) -> threading.Event:
