@@ -162,17 +162,20 @@ def test_ft_straggler_delays_only_blocking_participants(config_factory, tmp_path
 
 
 def test_ft_partitioned_worker_leaves_and_rejoins(config_factory, tmp_path: Path):
-    # Worker 1 is cut off for 5 s mid-round 3: no heartbeat, no message. The others drop it at
-    # their next Mix1 deadline; when the partition heals it finds itself evicted, exits, and the
-    # launcher restarts it; it rejoins with a live peer's state. Nobody hangs.
+    # Worker 1 is cut off for 10 s mid-round 3: no heartbeat, no message, no rendezvous
+    # keep-alive. The others drop it at their next Mix1 deadline; when the partition heals it
+    # finds itself evicted, exits, and the launcher restarts it; it rejoins with a live peer's
+    # state. Nobody hangs. The partition outlasts the others' agreement, which takes the Mix1
+    # deadline + the heartbeat timeout (2 s) to report, then the rendezvous: the keep-alive
+    # expiry (3 s, overlapping), a 1 s poll, the 2 s last call and a poll: about 6 s.
     cfg = config_factory(
         tmp_path,
         *COMMON,
-        "run.steps=200",
+        "run.steps=320",
         "run.fault_tolerance=true",
-        "run.timeout_s=8",  # heartbeat timeout 2 s: shorter than the partition
+        "run.timeout_s=8",  # heartbeat timeout 2 s
         "run.mix1_deadline_s=0.5",
-        "run.inject='partition:worker=1,round=3,seconds=5;slow:factor=5'",
+        "run.inject='partition:worker=1,round=3,seconds=10;slow:factor=10'",
     )
     _, _, records = _run(cfg)
     events = [r for r in records if r.get("kind") == "membership"]
@@ -183,7 +186,7 @@ def test_ft_partitioned_worker_leaves_and_rejoins(config_factory, tmp_path: Path
     rejoined = next(e for e in events if e["event"] == "rejoined")
     assert rejoined["worker"] == 1 and rejoined["match"], rejoined
     assert events[-1]["members"] == [0, 1, 2]
-    assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 51))
+    assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 81))
 
 
 def test_ft_inject_specs():

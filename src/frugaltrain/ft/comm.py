@@ -1,31 +1,32 @@
 """`ElasticComm`: the torch.distributed runtime with membership epochs, deadlines and rejoin.
 
-Engine: torch.distributed's TCPStore (the rendezvous store the launcher hosts, which outlives
-any worker) plus a fresh gloo process group per membership epoch, built over a PrefixStore of
-that epoch. docs/fault_tolerance.md explains why this and not torchft.
+Engine: torch elastic's rendezvous (`DynamicRendezvousHandler`, c10d backend, on the TCPStore
+the launcher hosts) decides who is in each membership epoch (ft/rendezvous.py); each epoch gets
+a fresh gloo process group over the store of its rendezvous round. docs/fault_tolerance.md
+explains why this and not torchft.
 
 How a failure is handled (every worker runs the same code):
 
     post    every operation (all-reduce, gather, metric, barrier) gets a sequence number; all
             workers post the same operations in the same order, so number s means the same
-            thing everywhere. Gossip exchanges travel as gathers, so a missing worker breaks an
+            thing everywhere. Blocking gossip travels as gathers, so a missing worker breaks an
             operation for every member alike (never for some only).
     wait    polls the operation; it fails on a gloo error (a killed peer closes its sockets),
             on the deadline (run.timeout_s of waiting: a silent or too slow peer), or when
             another worker has marked the epoch broken in the store.
-    recover mark epoch e broken; the live set is the members whose heartbeat counter (a
-            thread bumps it every 0.2 s) moved within the heartbeat timeout, minus, after a
-            deadline, members that never posted the stuck operation (stragglers); the first
-            worker to write `ep/e+1/members` decides for all (compare-and-set). A worker left
-            out exits with code 75 and the launcher restarts it as a joiner. The others build
-            epoch e+1's gloo group and re-post, in order, every operation from the lowest one
-            any of them still has pending, now over the live set: an all-reduce mean divides by
-            the live count and a mix renormalizes each row over the members that delivered.
-    rejoin  a restarted worker (incarnation > 1) registers in the store; at the next round end
-            the first member to arrive admits it (compare-and-set on that round), all members
-            finish their pending operations and build the next epoch with it, and the lowest
-            old member sends it its whole worker state (outer x and momentum, round, step,
-            inner AdamW and schedule) point to point.
+    recover mark epoch e broken (the first reason wins) and re-rendezvous: the round closes
+            once every old participant has left it or been dropped for a missed keep-alive
+            (dead, stopped, cut off), and the survivors form the next one. A member the others
+            went on without finds out before it asks again, or in the round, and exits with
+            code 75; the launcher restarts it as a joiner. The survivors build the new group
+            and re-post, in order, every operation from the lowest one any of them still has
+            pending, now over the live set: an all-reduce mean divides by the live count and a
+            mix renormalizes each row over the members that delivered.
+    rejoin  a restarted worker (incarnation > 1) waits on the rendezvous's wait list; the first
+            member at a round end sees it there and decides for all (compare-and-set on that
+            round) that the members re-rendezvous; all finish their pending operations, the
+            joiner is admitted, and the lowest old member sends it its whole worker state
+            (outer x and momentum, round, step, inner AdamW and schedule) point to point.
 
 Two things never wait on a straggler (only the participants of blocking operations do):
 
@@ -56,10 +57,12 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
 from frugaltrain.ft.inject import Injector, fire
+from frugaltrain.ft.rendezvous import Membership, Round
 
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
 _HB_PERIOD_S = 0.2
@@ -149,11 +152,24 @@ class ElasticComm(Comm):
         self._joined_at: dict[int, int] = {}  # a (re)joined member's first metric_seq
         self._stop = threading.Event()
         self._silent = threading.Event()  # an injected partition: no heartbeat
+        self.membership = Membership(
+            host,
+            port,
+            rank,
+            incarnation,
+            world_size,
+            timeout_s=timeout_s,
+            hb_timeout_s=self.hb_timeout_s,
+        )
         # Heartbeats start on becoming a member: a restarted worker waiting to rejoin must not
         # look alive under its rank while the others decide who is left.
         self._hb = threading.Thread(target=self._beat, args=(host, port), daemon=True)
         if incarnation == 1:
-            self._new_epoch(0, list(range(world_size)))
+            # First starts meet before the rendezvous, so that its first round has all of them.
+            if store.add("ft/started", 1) == world_size:
+                store.set("ft/all_started", "1")
+            store.wait(["ft/all_started"])
+            self._rendezvous("start")
 
     # ---- heartbeats and store helpers
     def _beat(self, host: str, port: int) -> None:
@@ -185,19 +201,67 @@ class ElasticComm(Comm):
         out, self.events = self.events, []
         return out
 
-    def _new_epoch(self, epoch: int, members: list[int]) -> None:
-        if len(members) > 1:
-            pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"ft/pg/{epoch}", self.store),
-                members.index(self.rank),
-                len(members),
-                timedelta(seconds=self.timeout_s),
+    def _rendezvous(self, purpose: str) -> Round:
+        """Take part in rendezvous rounds (ft/rendezvous.py) until this worker is in one whose
+        gloo group forms; returns that round. A stale worker (the others went on without it)
+        exits to be restarted; a joiner deferred by a recovering member waits for the next."""
+        while True:
+            self._check_evicted()
+            try:
+                rnd = self.membership.next(purpose, self.epoch, self.round)
+            except RendezvousClosedError:  # the launcher closed it: training is over
+                print(f"[worker {self.rank}] the run ended while it waited to join", flush=True)
+                self._exit(0)
+            except Exception as e:  # a join timeout, or a participant died as the round closed
+                print(f"[worker {self.rank}] rendezvous: {_short(e)}; again", flush=True)
+                continue
+            if self.rank in rnd.stale:
+                self._event("evicted", reason="the others went on without it")
+                self._exit(EVICTED_EXIT)
+            if self.rank in rnd.deferred:
+                continue
+            previous, self.epoch, self.members = self.epoch, rnd.epoch, list(rnd.members)
+            self.store.set(f"ft/ep/{rnd.epoch}/members", json.dumps(rnd.members))
+            if previous >= 0:  # how a worker left behind in `previous` learns it was dropped
+                self.store.compare_set(f"ft/ep/{previous}/next", "", str(rnd.epoch))
+            try:
+                self.pg = self._group(rnd)
+            except Exception as e:  # a member is gone already: one more round
+                self._report(f"group setup: {_short(e)}")
+                continue
+            if not self._hb.is_alive() and not self._stop.is_set():
+                self._hb.start()
+            return rnd
+
+    def _group(self, rnd: Round):
+        """The gloo group of a round's members, over the round's own store."""
+        if len(rnd.members) == 1:
+            return None
+        return dist.ProcessGroupGloo(
+            dist.PrefixStore("pg", rnd.store),
+            rnd.members.index(self.rank),
+            len(rnd.members),
+            timedelta(seconds=self.timeout_s),
+        )
+
+    def _check_evicted(self) -> None:
+        """Before asking for a new round: if the members of this worker's epoch have already
+        formed the next one without it (it was silent or cut off), it must restart and rejoin."""
+        key = f"ft/ep/{self.epoch}/next"
+        if self.epoch < 0 or not self._has(key):
+            return
+        nxt = int(self.store.get(key))
+        members = json.loads(self.store.get(f"ft/ep/{nxt}/members"))
+        if self.rank not in members:
+            broken = f"ft/ep/{self.epoch}/broken"
+            reason = (
+                self.store.get(broken).decode()
+                if self._has(broken)
+                else "dropped from the rendezvous (no keep-alive)"
             )
-        else:
-            pg = None
-        self.pg, self.epoch, self.members = pg, epoch, list(members)
-        if not self._hb.is_alive() and not self._stop.is_set():
-            self._hb.start()
+            self.epoch, self.members = nxt, members
+            self._event("evicted", reason=reason)
+            self._exit(EVICTED_EXIT)
 
     # ---- operations
     def _launch(self, op: _Op) -> None:
@@ -225,7 +289,7 @@ class ElasticComm(Comm):
 
     def _post(self, kind: str, inputs: list[torch.Tensor]) -> _Op:
         if self._has(f"ft/ep/{self.epoch}/broken"):
-            self._recover("another worker reported a failure", self.seq, deadline=False)
+            self._recover("another worker reported a failure")
         op = _Op(self.seq, kind, [t.detach().clone() for t in inputs])
         self.seq += 1
         self.log.append(op)
@@ -233,7 +297,6 @@ class ElasticComm(Comm):
         if len(done) > _LOG_KEEP:
             drop = {id(o) for o in done[: len(done) - _LOG_KEEP]}
             self.log = [o for o in self.log if id(o) not in drop]
-        self.store.set(f"ft/posted/{self.rank}", str(op.seq))
         self._launch(op)
         return op
 
@@ -244,7 +307,7 @@ class ElasticComm(Comm):
         while not op.done:
             t_wait = time.monotonic()
             next_check = t_wait + 0.05
-            reason, deadline = None, False
+            reason = None
             while reason is None:
                 if all(w.is_completed() for w in op.works):
                     try:
@@ -255,75 +318,41 @@ class ElasticComm(Comm):
                         low = reason.lower()
                         if "timeout" in low or "timed out" in low:  # gloo's deadline: timeout_s
                             reason = f"no answer within run.timeout_s = {self.timeout_s:g} s"
-                            deadline = True
                         break
                     op.done, op.result = True, self._result(op)
                     return op.result
                 now = time.monotonic()
                 if now - t_wait > self.timeout_s:
                     reason = f"no answer within run.timeout_s = {self.timeout_s:g} s"
-                    deadline = True
                 elif now >= next_check:
                     next_check = now + 0.05
                     if self._has(f"ft/ep/{op.epoch}/broken"):
                         reason = "another worker reported a failure"
                 time.sleep(0.001)
-            self._recover(reason, op.seq, deadline)
+            self._recover(reason)
         return op.result
 
     # ---- recovery
-    def _live(self, members: list[int], stuck_seq: int, deadline: bool) -> list[int]:
-        """Members whose heartbeat moves (waiting up to the heartbeat timeout); after a
-        deadline also those that posted operation `stuck_seq` (the rest are stragglers)."""
-        others = [m for m in members if m != self.rank and not self._has(f"ft/finished/{m}")]
-        keys = [f"ft/hb/{m}" for m in others]
-        base = [int(v) for v in self.store.multi_get(keys)] if keys else []
-        live = {self.rank}
-        t0 = time.monotonic()
-        while len(live) < len(others) + 1 and time.monotonic() - t0 < self.hb_timeout_s:
-            time.sleep(0.05)
-            now = [int(v) for v in self.store.multi_get(keys)]
-            live.update(m for m, b, c in zip(others, base, now, strict=True) if c > b)
-        if deadline:
-            for m in list(live - {self.rank}):
-                key = f"ft/posted/{m}"
-                if not self._has(key) or int(self.store.get(key)) < stuck_seq:
-                    live.discard(m)
-        return sorted(live)
+    def _recover(self, reason: str) -> None:
+        """Mark this epoch broken (the first reason named wins), re-rendezvous with whoever is
+        alive, and re-post what was interrupted."""
+        reason = self.store.compare_set(f"ft/ep/{self.epoch}/broken", "", reason).decode()
+        old = list(self.members)
+        self._rendezvous("recover")
+        if self.members == old:  # e.g. a partition that healed before the others agreed
+            self._event("reformed", reason=reason)
+        self._settle(old, reason)
 
-    def _recover(self, reason: str, stuck_seq: int, deadline: bool) -> None:
-        e, members = self.epoch, self.members
-        # The first report of this epoch's failure names it for everybody.
-        reason = self.store.compare_set(f"ft/ep/{e}/broken", "", reason).decode()
-        while True:
-            key = f"ft/ep/{e + 1}/members"
-            if not self._has(key):
-                live = self._live(members, stuck_seq, deadline)
-                proposal = {"members": live, "reason": reason, "by": self.rank}
-                self.store.compare_set(key, "", json.dumps(proposal))
-            decided = json.loads(self.store.get(key))
-            new = decided["members"]
-            if self.rank not in new:
-                self.epoch = e + 1
-                self._event("evicted", reason=decided["reason"])
-                self._exit(EVICTED_EXIT)
-            if self._has(f"ft/ep/{e + 1}/broken"):  # superseded while we were away
-                e, members = e + 1, new
-                continue
-            try:
-                self._new_epoch(e + 1, new)
-            except Exception as exc:  # a listed member is gone too: one more epoch
-                self.store.compare_set(f"ft/ep/{e + 1}/broken", "", f"group setup: {exc}")
-                e, members = e + 1, new
-                continue
-            break
-        lost = sorted(set(members) - set(new))
+    def _settle(self, old: list[int], reason: str) -> None:
+        """After a rendezvous: log who left, then re-post, in order, every operation from the
+        lowest one any old member still has pending (joiners took part in none of them)."""
+        lost = sorted(set(old) - set(self.members))
         if lost:
-            self._event("left", workers=lost, reason=decided["reason"])
-        # Restart point: the lowest operation any live member has not completed.
+            self._event("left", workers=lost, reason=reason)
+        stay = [m for m in self.members if m in old]
         low = min((o.seq for o in self.log if not o.done), default=self.seq)
         self.store.set(f"ft/ep/{self.epoch}/low/{self.rank}", str(low))
-        keys = [f"ft/ep/{self.epoch}/low/{m}" for m in new]
+        keys = [f"ft/ep/{self.epoch}/low/{m}" for m in stay]
         self.store.wait(keys, timedelta(seconds=self.timeout_s))
         start = min(int(v) for v in self.store.multi_get(keys))
         kept = {o.seq for o in self.log}
@@ -392,7 +421,7 @@ class ElasticComm(Comm):
     def _mix_with_deadline(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
         if self._has(f"ft/ep/{self.epoch}/broken"):
             old = list(self.members)
-            self._recover("another worker reported a failure", self.seq, deadline=False)
+            self._recover("another worker reported a failure")
             # w was built for the old members: keep the survivors' entries (rows are
             # renormalized over what arrives anyway); the next round builds w for the new ones.
             keep = [old.index(m) for m in self.members]
@@ -531,7 +560,7 @@ class ElasticComm(Comm):
             t0 = time.monotonic()
             while not ready() and time.monotonic() - t0 < self.timeout_s:
                 if self._has(f"ft/ep/{self.epoch}/broken"):
-                    self._recover("another worker reported a failure", self.seq, deadline=False)
+                    self._recover("another worker reported a failure")
                 time.sleep(0.01)
             got = [json.loads(self.store.get(key)) for key in keys() if self._has(key)]
             for key in keys():
@@ -565,7 +594,9 @@ class ElasticComm(Comm):
             print(f"[worker {self.rank} step {step}] injected fault: {fault}", flush=True)
             if fault == "partition":  # silent, alive, sockets open; then back
                 self._silent.set()
+                self.membership.cut(True)
                 time.sleep(self.injector.partition_s)
+                self.membership.cut(False)
                 self._silent.clear()
                 print(f"[worker {self.rank} step {step}] partition healed", flush=True)
                 return
@@ -580,66 +611,57 @@ class ElasticComm(Comm):
         self.round = round_idx
         self.store.set(f"ft/at/{self.rank}", str(round_idx))
         if self._has(f"ft/ep/{self.epoch}/broken"):  # e.g. a Mix1 peer failed this round
-            reason = self.store.get(f"ft/ep/{self.epoch}/broken").decode()
-            self._recover(reason, self.seq, deadline=False)
+            self._recover(self.store.get(f"ft/ep/{self.epoch}/broken").decode())
         if self.rank == 0:  # the joiners' own records, set before they took part in this round
             for key in [k for k in self._records_due if self._has(k)]:
                 self.events.append(json.loads(self.store.get(key)))
                 self._records_due.remove(key)
-        raw = self.store.get("ft/joiners") if self._has("ft/joiners") else b""
-        waiting = [t for t in raw.decode().split(",") if t and not self._has(f"ft/admitted/{t}")]
-        decided = self.store.compare_set(f"ft/round/{round_idx}", "", json.dumps(waiting) or "[]")
-        tokens = json.loads(decided)
-        if not tokens:
+        # The first member at this round end decides whether the members re-rendezvous here:
+        # when a worker waits on the rendezvous's wait list (a restarted one asking to join, or
+        # one the others went on without). The decision holds for its epoch only: a member that
+        # has since re-formed (a failure) takes part in no admission at this round end.
+        key = f"ft/round/{round_idx}"
+        if not self._has(key):
+            waiting = self.membership.waiting()
+            self.store.compare_set(key, "", f"{int(waiting > 0)}@{self.epoch}")
+        if self.store.get(key).decode() != f"1@{self.epoch}":
             return
         for o in self.log:  # the old epoch's operations end before the new one starts
             if not o.done:
                 self._wait(o)
-        joiners = sorted(int(t.split(":")[0]) for t in tokens)
         old = list(self.members)
-        new = sorted(set(old) | set(joiners))
-        donor = old[0]
-        e = self.epoch + 1
-        info = {"epoch": e, "members": new, "donor": donor, "round": round_idx}
-        if self.rank == donor:
-            for t in tokens:
-                self.store.set(f"ft/admitted/{t}", json.dumps(info))
-        self._new_epoch(e, new)
-        for j in joiners:  # they post logging scalars from the next round on
+        rnd = self._rendezvous("admit")
+        self._settle(old, "missed the rendezvous (no keep-alive)")
+        if not rnd.joiners:  # a member was recovering: the joiners wait for the next round end
+            return
+        for j in rnd.joiners:  # they post logging scalars from the next round on
             self._joined_at[j] = self.metric_seq
-        if self.rank == donor:
+        if self.rank == rnd.donor:
             state = state_fn()
             state["ft_seq"] = (self.seq, self.mix1_seq, self.metric_seq)
             buf = io.BytesIO()
             torch.save(state, buf)
             payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
-            for j in joiners:
-                pos = new.index(j)
+            for j in rnd.joiners:
+                pos = rnd.members.index(j)
                 self.pg.send([size], pos, 1).wait()
                 self.pg.send([payload], pos, 2).wait()
             self.store.set(f"ft/donor_digest/{round_idx}", state_digest(state))
-        self._event("joined", workers=joiners, donor=donor)
-        self._records_due += [f"ft/record/{t}" for t in tokens]
+        self._event("joined", workers=rnd.joiners, donor=rnd.donor)
+        self._records_due += [f"ft/record/{t}" for t in rnd.tokens]
 
     def rejoin(self, load: Callable[[dict], None], state_fn: Callable[[], dict]) -> bool:
-        """On a restarted worker: wait for admission, receive a live peer's state and `load` it.
-        Returns False on a first start (nothing to do)."""
+        """On a restarted worker: join the rendezvous, and once the members admit it at a
+        round end, receive a live peer's state and `load` it. Returns False on a first start
+        (nothing to do)."""
         if self.incarnation == 1:
             return False
         token = f"{self.rank}:{self.incarnation}"
         print(f"[worker {self.rank}] restarted (incarnation {self.incarnation}); asking to rejoin")
-        self.store.append("ft/joiners", token + ",")
-        key = f"ft/admitted/{token}"
-        while not self._has(key):
-            if self._has("ft/done"):
-                print(f"[worker {self.rank}] the run ended before it could rejoin", flush=True)
-                self._exit(0)
-            time.sleep(0.05)
-        info = json.loads(self.store.get(key))
-        self._new_epoch(info["epoch"], info["members"])
-        self.round = info["round"]
-        pos = info["members"].index(info["donor"])
+        rnd = self._rendezvous("join")
+        self.round = rnd.round
+        pos = rnd.members.index(rnd.donor)
         size = torch.zeros(1, dtype=torch.int64)
         self.pg.recv([size], pos, 1).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -653,7 +675,7 @@ class ElasticComm(Comm):
         self._event(
             "rejoined",
             worker=self.rank,
-            donor=info["donor"],
+            donor=rnd.donor,
             params_digest=mine,
             donor_digest=theirs,
             match=mine == theirs,

@@ -5,10 +5,10 @@ Specs are `;`-separated, each `kind:key=value,...`:
     kill:worker=2,round=5      SIGKILL worker 2 halfway through outer round 5 (1-based), once
     hang:worker=1,round=3      worker 1 stops answering (SIGSTOP, heartbeats included) mid-round 3
     partition:worker=1,round=3,seconds=5
-                               worker 1 is cut off mid-round 3 for 5 s: no heartbeat, no message
-                               sent or taken, then it comes back (its sockets stay open, as
-                               behind a partition that heals; the others have dropped it by
-                               then, so it leaves and rejoins)
+                               worker 1 is cut off mid-round 3 for 5 s: no heartbeat, no
+                               rendezvous keep-alive, no message sent or taken, then it comes
+                               back (its sockets stay open, as behind a partition that heals).
+                               If the others have dropped it by then, it leaves and rejoins
     slow:worker=1,factor=3     worker 1's inner steps take `factor` times their measured time
                                (it sleeps the difference; without worker=, every worker)
     drop:p=0.1                 each gossip message a worker receives is dropped with probability p

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.config import Config, build_config, to_toml
+from frugaltrain.ft import rendezvous
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps dying is a bug, not a fault to ride out
 
@@ -110,6 +111,8 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
                 start(rank)
             final = _final_members(store, finished)
             if final is not None:
+                rendezvous.close(host, store.port, cfg.run.workers)  # joiners still waiting exit
+                _join_for(procs, finished, seconds=3.0)
                 for rank, p in procs.items():
                     if rank not in finished and rank not in final and p.is_alive():
                         print(f"[launcher] worker {rank} never came back; stopping it", flush=True)
@@ -122,6 +125,16 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
                 p.kill()
             p.join()
     return restarts
+
+
+def _join_for(procs: dict[int, mp.Process], finished: set[int], seconds: float) -> None:
+    """Give the workers that are not done `seconds` to exit on their own."""
+    t0 = time.monotonic()
+    for rank, p in procs.items():
+        if rank not in finished:
+            p.join(max(0.0, seconds - (time.monotonic() - t0)))
+            if not p.is_alive():
+                finished.add(rank)
 
 
 def _final_members(store: dist.TCPStore, finished: set[int]) -> set[int] | None:

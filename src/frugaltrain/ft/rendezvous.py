@@ -1,0 +1,216 @@
+"""Membership on torch elastic's rendezvous: who is in the next epoch, agreed by every worker.
+
+The engine is `torch.distributed.elastic.rendezvous.DynamicRendezvousHandler` with the c10d
+backend, kept on the TCPStore the launcher hosts (so it outlives any worker). What it gives us:
+
+    rounds      a round closes when every participant of the last one has left it (called
+                `next_rendezvous` again) or been dropped; everybody who then joins within
+                `last_call` of the first is in the next round, and all of them get the same
+                participant list and a store of the round's own.
+    keep-alive  each participant refreshes its heartbeat in the rendezvous state every
+                `keep_alive_interval`; one that misses `keep_alive_max_attempt` of them (killed,
+                stopped, cut off) is dropped from the round by whoever syncs next.
+    wait list   a worker that asks to join while a round is complete waits, inside
+                `next_rendezvous`, until the members open the next round.
+    close       the launcher closes the rendezvous when the run is over; a worker still waiting
+                gets `RendezvousClosedError`.
+
+What a rendezvous round does not know is what each participant was doing: a member recovering
+from a failure, a member at a round end ready to admit, a restarted worker asking to join, or a
+member the others already went on without (stale). So every participant posts that to the
+round's store (`Round` below) and all of them apply the same rule to the same list.
+
+Unlike torchelastic's agent, nobody restarts on a membership change: survivors re-rendezvous in
+process and build a new gloo group; only a dead or stale worker is (re)started.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+RUN_ID = "frugaltrain"
+# The handler polls the rendezvous state once a second while it waits, and a waiting node
+# refreshes its keep-alive only between polls. So a node counts as dead after at least 3 s
+# without one (less would drop nodes that are only waiting), and the last call is longer than
+# a poll, so every survivor that is waiting gets into the round the first one opens.
+KEEP_ALIVE_S = 0.5
+MIN_EXPIRY_S = 3.0
+LAST_CALL_S = 2.0
+_PREFIX = "ft/rdzv"
+
+
+class _Backend(C10dRendezvousBackend):
+    """The c10d backend, which an injected partition can cut: while `cut` is set this worker
+    cannot reach the rendezvous (its keep-alives fail, so the others drop it, as in a real
+    partition)."""
+
+    def __init__(self, store: dist.Store, run_id: str) -> None:
+        super().__init__(store, run_id)
+        self.cut = threading.Event()
+
+    def get_state(self):
+        if self.cut.is_set():
+            raise RendezvousConnectionError("cut off by an injected partition")
+        return super().get_state()
+
+    def set_state(self, state: bytes, token=None):
+        if self.cut.is_set():
+            raise RendezvousConnectionError("cut off by an injected partition")
+        return super().set_state(state, token)
+
+
+def _handler(
+    host: str, port: int, world_size: int, name: str, timeout_s: float, hb_timeout_s: float
+) -> tuple[DynamicRendezvousHandler, _Backend, dist.TCPStore]:
+    # The rendezvous hands back the run's store; do not start a second TCPStore on the rank 0
+    # of each round (torch's default, meant for its own agent).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    client = dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=max(60.0, timeout_s))
+    )
+    store = dist.PrefixStore(_PREFIX, client)
+    backend = _Backend(store, RUN_ID)
+    handler = DynamicRendezvousHandler.from_backend(
+        RUN_ID,
+        store,
+        backend,
+        min_nodes=1,
+        max_nodes=world_size,
+        local_addr=name,
+        timeout=RendezvousTimeout(
+            join=timedelta(seconds=max(60.0, 4 * timeout_s)),
+            last_call=timedelta(seconds=LAST_CALL_S),
+            close=timedelta(seconds=10),
+        ),
+        keep_alive_interval=KEEP_ALIVE_S,
+        keep_alive_max_attempt=math.ceil(max(MIN_EXPIRY_S, hb_timeout_s) / KEEP_ALIVE_S),
+    )
+    return handler, backend, client
+
+
+@dataclass
+class Round:
+    """What one rendezvous round decided; every participant computes the same one.
+
+    members: workers of the new epoch (sorted; a worker's gloo rank is its index).
+    joiners: restarted workers admitted now (a subset of members), with `tokens`
+        ("worker:incarnation") and `donor`, the lowest old member, who sends them its state.
+    stale: workers the others had already gone on without; they must restart.
+    deferred: joiners left out because some member was recovering (they wait for the next).
+    """
+
+    epoch: int
+    members: list[int]
+    joiners: list[int]
+    tokens: list[str]
+    donor: int | None
+    round: int
+    stale: list[int]
+    deferred: list[int]
+    store: dist.Store
+
+
+def decide(who: list[dict]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The rule every participant applies to the same list: (members, joiners, stale, deferred).
+
+    Each entry is {"worker", "epoch" (the member's last epoch, -1 for a joiner), "purpose"
+    ("start", "recover", "admit" or "join"), "round"}. Old members are the non-joiners of the
+    newest epoch; older ones are stale. Joiners get in only when every old member is at the
+    same round end, ready to admit (a member recovering mid-round has operations to re-post,
+    which a joiner never took part in).
+    """
+    old = [w for w in who if w["purpose"] != "join"]
+    join = sorted(w["worker"] for w in who if w["purpose"] == "join")
+    if not old:
+        return [], [], [], join
+    newest = max(w["epoch"] for w in old)
+    current = [w for w in old if w["epoch"] == newest]
+    stale = sorted(w["worker"] for w in old if w["epoch"] < newest)
+    admit = all(w["purpose"] == "admit" for w in current) and (
+        len({w["round"] for w in current}) == 1
+    )
+    joiners = join if admit else []
+    members = sorted({w["worker"] for w in current} | set(joiners))
+    return members, joiners, stale, [] if admit else join
+
+
+class Membership:
+    """One worker's handle on the run's rendezvous (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        worker: int,
+        incarnation: int,
+        world_size: int,
+        *,
+        timeout_s: float,
+        hb_timeout_s: float,
+    ) -> None:
+        self.worker, self.incarnation = worker, incarnation
+        self.timeout_s = timeout_s
+        self.handler, self.backend, self.client = _handler(
+            host, port, world_size, f"worker{worker}", timeout_s, hb_timeout_s
+        )
+
+    def next(self, purpose: str, epoch: int, round_idx: int) -> Round:
+        """Leave the current round, join the next one and agree on what it means. Raises what
+        the rendezvous raises (timeout, closed) and store errors (a participant died right
+        after the round closed); the caller tries again."""
+        info = self.handler.next_rendezvous()
+        me = {
+            "worker": self.worker,
+            "incarnation": self.incarnation,
+            "epoch": epoch,
+            "purpose": purpose,
+            "round": round_idx,
+        }
+        info.store.set(f"who/{info.rank}", json.dumps(me))
+        keys = [f"who/{r}" for r in range(info.world_size)]
+        info.store.wait(keys, timedelta(seconds=self.timeout_s))
+        who = [json.loads(v) for v in info.store.multi_get(keys)]
+        if info.rank == 0:  # epochs are numbered run-wide, one per round that forms a group
+            info.store.set("epoch", str(self.client.add("ft/epochs", 1) - 1))
+        new_epoch = int(info.store.get("epoch"))
+        members, joiners, stale, deferred = decide(who)
+        old = [w for w in who if w["purpose"] != "join" and w["worker"] in members]
+        return Round(
+            epoch=new_epoch,
+            members=members,
+            joiners=joiners,
+            tokens=[f"{w['worker']}:{w['incarnation']}" for w in who if w["worker"] in joiners],
+            donor=min(w["worker"] for w in old) if joiners else None,
+            round=max((w["round"] for w in old), default=0),
+            stale=stale,
+            deferred=deferred,
+            store=info.store,
+        )
+
+    def waiting(self) -> int:
+        """Workers on the wait list (asking to join the next round)."""
+        return self.handler.num_nodes_waiting()
+
+    def cut(self, on: bool) -> None:
+        """An injected partition: this worker's keep-alives fail while `on`."""
+        (self.backend.cut.set if on else self.backend.cut.clear)()
+
+
+def close(host: str, port: int, world_size: int) -> None:
+    """Close the run's rendezvous (the launcher, once training is over): a restarted worker
+    still waiting to join is told so and exits."""
+    handler, _, _ = _handler(host, port, world_size, "launcher", 10.0, 1.0)
+    handler.set_closed()
