@@ -185,6 +185,11 @@ class ElasticComm(Comm):
     def _has(self, key: str) -> bool:
         return self.store.check([key])
 
+    def _broken(self) -> str | None:
+        """Why this worker's epoch was marked broken, or None while it is whole."""
+        key = f"ft/ep/{self.epoch}/broken"
+        return self.store.get(key).decode() if self._has(key) else None
+
     def _event(self, event: str, **fields) -> None:
         rec = {"kind": "membership", "event": event, "round": self.round, "epoch": self.epoch}
         rec.update(fields)
@@ -253,12 +258,7 @@ class ElasticComm(Comm):
         nxt = int(self.store.get(key))
         members = json.loads(self.store.get(f"ft/ep/{nxt}/members"))
         if self.rank not in members:
-            broken = f"ft/ep/{self.epoch}/broken"
-            reason = (
-                self.store.get(broken).decode()
-                if self._has(broken)
-                else "dropped from the rendezvous (no keep-alive)"
-            )
+            reason = self._broken() or "dropped from the rendezvous (no keep-alive)"
             self.epoch, self.members = nxt, members
             self._event("evicted", reason=reason)
             self._exit(EVICTED_EXIT)
@@ -610,8 +610,9 @@ class ElasticComm(Comm):
         them this worker's state if it is the donor."""
         self.round = round_idx
         self.store.set(f"ft/at/{self.rank}", str(round_idx))
-        if self._has(f"ft/ep/{self.epoch}/broken"):  # e.g. a Mix1 peer failed this round
-            self._recover(self.store.get(f"ft/ep/{self.epoch}/broken").decode())
+        reason = self._broken()
+        if reason is not None:  # e.g. a Mix1 peer failed this round
+            self._recover(reason)
         if self.rank == 0:  # the joiners' own records, set before they took part in this round
             for key in [k for k in self._records_due if self._has(k)]:
                 self.events.append(json.loads(self.store.get(key)))
