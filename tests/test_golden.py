@@ -1,0 +1,135 @@
+"""Golden final parameters: a short seeded run of every outer strategy, FORGE as inner optimizer,
+the simulator and both local launchers ends with the parameters recorded in
+tests/golden/final_params.json. A refactor that changes behaviour changes a hash here.
+
+The hashes are bitwise (sha256 of every worker's fp32 parameters). They hold on the CPU they were
+recorded on: a CPU with other vector instructions rounds matmuls differently, so there the test
+compares each worker's parameter norm to 1e-4 instead (a real behaviour change moves it by far
+more). Regenerate after an intended change with FRUGALTRAIN_REGEN_GOLDEN=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from frugaltrain.comm.torchdist import TorchDistComm
+from frugaltrain.config import to_toml
+from frugaltrain.sim import SimSection, simulate
+from frugaltrain.train import launch
+from frugaltrain.train.loop import train_worker
+
+GOLDEN = Path(__file__).parent / "golden" / "final_params.json"
+REGEN = os.environ.get("FRUGALTRAIN_REGEN_GOLDEN") == "1"
+WORLD = 4
+BASE = ("model.n_layer=2", "run.steps=12", "outer.H=4", "run.eval_every=0", "run.threads=1")
+STRATEGIES = {
+    "ddp": ("outer.strategy='ddp'",),
+    "diloco": ("outer.strategy='diloco'",),
+    "fgd-GlobalM1": ("outer.strategy='fgd'", "outer.preset='GlobalM1'"),
+    "fgd-GlobalM1LocalM2": ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"),
+    "noloco": ("outer.strategy='noloco'", "outer.momentum=0.5"),
+    "streaming": ("outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1"),
+    "diloco-forge-adamw": ("outer.strategy='diloco'", "optim.name='forge-adamw'"),
+}
+SIMULATED = ("diloco", "fgd-GlobalM1LocalM2", "noloco")
+
+
+def _digest(models_params: list[list[torch.Tensor]]) -> dict:
+    """sha256 over every worker's fp32 parameters in order, plus each worker's fp64 norm."""
+    h = hashlib.sha256()
+    norms = []
+    for params in models_params:
+        for p in params:
+            h.update(p.detach().float().contiguous().numpy().tobytes())
+        norms.append(sum(p.detach().double().pow(2).sum().item() for p in params) ** 0.5)
+    return {"sha256": h.hexdigest(), "norms": norms}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank, port, jobs, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for name, cfg, run_dir in jobs:
+            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
+            model = train_worker(cfg, comm, Path(run_dir)).model
+            results[name] = [p.detach().clone() for p in model.parameters()]
+            dist.barrier()
+        out[rank] = results
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint_params(run_dir: Path, workers: int) -> list[list[torch.Tensor]]:
+    last = sorted((run_dir / "checkpoints").glob("round_*"))[-1]
+    states = [torch.load(last / f"worker_{i}.pt", weights_only=False) for i in range(workers)]
+    return [list(s["model"].values()) for s in states]
+
+
+@pytest.fixture(scope="module")
+def digests(config_factory, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("golden")
+    out: dict[str, dict] = {}
+
+    jobs = []
+    for name, sets in STRATEGIES.items():
+        cfg = config_factory(root, *BASE, *sets, f"run.workers={WORLD}", f"run.name='{name}'")
+        run_dir = launch.new_run_dir(cfg)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        jobs.append((name, cfg, str(run_dir)))
+    real = mp.Manager().dict()
+    mp.start_processes(
+        _gloo_worker, args=(_free_port(), jobs, real), nprocs=WORLD, start_method="spawn"
+    )
+    for name in STRATEGIES:
+        out[f"real/{name}"] = _digest([real[r][name] for r in range(WORLD)])
+
+    for name in SIMULATED:
+        cfg = config_factory(root, *BASE, *STRATEGIES[name], f"run.workers={WORLD}")
+        result = simulate(cfg, SimSection(ratio=0.887), root / f"sim-{name}")
+        out[f"sim/{name}"] = _digest([list(m.parameters()) for m in result.models])
+
+    # The launchers: spawned local processes, and the fault-tolerant supervisor (no faults).
+    for name, extra in (("launch/fgd", ()), ("launch-ft/diloco", ("run.fault_tolerance=true",))):
+        strategy = STRATEGIES["fgd-GlobalM1LocalM2" if "fgd" in name else "diloco"]
+        cfg = config_factory(root, *BASE, *strategy, *extra, "run.workers=3")
+        run_dir = launch.new_run_dir(cfg)
+        launch.run(cfg, run_dir)
+        out[name] = _digest(_checkpoint_params(run_dir, 3))
+    return out
+
+
+def _cpu() -> str:
+    return f"{torch.backends.cpu.get_cpu_capability()} torch {torch.__version__.split('+')[0]}"
+
+
+def test_final_parameters_match_golden(digests):
+    if REGEN:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps({"cpu": _cpu(), "runs": digests}, indent=1) + "\n")
+        pytest.skip(f"regenerated {GOLDEN.name}; review the diff")
+    golden = json.loads(GOLDEN.read_text())
+    assert sorted(golden["runs"]) == sorted(digests)
+    same_cpu = golden["cpu"] == _cpu()
+    for name, want in golden["runs"].items():
+        got = digests[name]
+        if same_cpu:
+            assert got["sha256"] == want["sha256"], name
+        else:  # other rounding of the same arithmetic: norms agree closely, not bitwise
+            assert got["norms"] == pytest.approx(want["norms"], rel=1e-4), name
