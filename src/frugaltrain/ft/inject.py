@@ -11,6 +11,8 @@ Specs are `;`-separated, each `kind:key=value,...`:
                                If the others have dropped it by then, it leaves and rejoins
     slow:worker=1,factor=3     worker 1's inner steps take `factor` times their measured time
                                (it sleeps the difference; without worker=, every worker)
+    slow:worker=1,seconds=0.2  worker 1 sleeps 0.2 s more after every inner step, however fast
+                               the machine is (factor= and seconds= may be combined)
     drop:p=0.1                 each gossip message a worker receives is dropped with probability p
                                (deterministic by seed; the receiver renormalizes its row)
 
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_KEYS = {"kill": {"worker", "round"}, "hang": {"worker", "round"}, "slow": {"worker", "factor"}}
+_KEYS = {"kill": {"worker", "round"}, "hang": {"worker", "round"}}
+_KEYS["slow"] = {"worker", "factor", "seconds"}
 _KEYS["drop"] = {"p"}
 _KEYS["partition"] = {"worker", "round", "seconds"}
 _ONCE = ("kill", "hang", "partition")  # faults that fire at one step of one worker
@@ -61,13 +64,17 @@ def parse(spec: str) -> list[Fault]:
                     f"run.inject part {part!r}: expected keys {sorted(_KEYS[kind])} as key=value"
                 )
             values[key] = float(value)
-        needed = _KEYS[kind] - {"worker"} if kind == "slow" else _KEYS[kind]
-        if not needed <= set(values):
-            raise ValueError(f"run.inject part {part!r}: needs {sorted(needed)}")
+        if kind == "slow":
+            if not {"factor", "seconds"} & set(values):
+                raise ValueError(f"run.inject part {part!r}: needs factor= or seconds=")
+        elif not _KEYS[kind] <= set(values):
+            raise ValueError(f"run.inject part {part!r}: needs {sorted(_KEYS[kind])}")
         if kind == "drop" and not 0.0 <= values["p"] < 1.0:
             raise ValueError(f"run.inject part {part!r}: p must be in [0, 1)")
-        if kind == "slow" and values["factor"] < 1.0:
+        if kind == "slow" and values.get("factor", 1.0) < 1.0:
             raise ValueError(f"run.inject part {part!r}: factor must be >= 1")
+        if kind == "slow" and values.get("seconds", 0.0) < 0:
+            raise ValueError(f"run.inject part {part!r}: seconds must be >= 0")
         if kind == "partition" and values["seconds"] <= 0:
             raise ValueError(f"run.inject part {part!r}: seconds must be positive")
         if kind in _ONCE and values["round"] < 1:
@@ -93,6 +100,7 @@ class Injector:
         self.H = H
         self.slow = max([f.factor for f in mine if f.kind == "slow"], default=1.0)
         self.drop_p = max([f.p for f in mine if f.kind == "drop"], default=0.0)
+        self.slow_s = max([f.seconds for f in mine if f.kind == "slow"], default=0.0)
         self.partition_s = max([f.seconds for f in mine if f.kind == "partition"], default=0.0)
         # A fault "mid-round r" fires after step (r - 1) H + ceil(H / 2).
         self.stops = {}
@@ -104,8 +112,9 @@ class Injector:
 
     def on_step(self, step: int, compute_s: float) -> str | None:
         """Sleep for a straggler; return "kill", "hang" or "partition" when it is due at `step`."""
-        if self.slow > 1.0:
-            time.sleep((self.slow - 1.0) * compute_s)
+        delay = (self.slow - 1.0) * compute_s + self.slow_s
+        if delay > 0:
+            time.sleep(delay)
         return self.stops.get(step)
 
     def dropped(self, epoch: int, seq: int, src: int, dst: int) -> bool:
