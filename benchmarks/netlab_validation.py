@@ -234,8 +234,8 @@ def main() -> int:
         return 2
     common = common_overrides(args.H, args.steps, args.runs)
     results = []
+    from frugaltrain.models import build_model
     from frugaltrain.netlab.run import probe
-    from frugaltrain.train.loop import build_model
 
     cfg0, _, _ = prepare(None, [*common, *METHODS["diloco"], "run.name='probe'"], None)
     S = 4 * sum(p.numel() for p in build_model(cfg0).parameters())

@@ -28,8 +28,9 @@ import torch
 from frugaltrain.comm import LocalComm
 from frugaltrain.config import Config, build_config
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
-from frugaltrain.train.loop import build_model, train_worker
-from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+from frugaltrain.models import build_model
+from frugaltrain.optim import build_inner_optimizer, build_schedule
+from frugaltrain.train.loop import train_worker
 
 
 def plain_loop(cfg: Config) -> float:

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch.func import functional_call, vmap
 
+from frugaltrain.models import build_model
 from frugaltrain.sim import SimSection, load_sim_config, simulate
-from frugaltrain.train.loop import build_model
 
 BASE = [
     "data.path='markov:order=1,symbols=256,branching=16,tokens=300000'",

@@ -68,8 +68,8 @@ def _torchft_replica(rank: int, args, out_dir: str, lighthouse: str, result) -> 
     from torchft.local_sgd import DiLoCo
 
     from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
-    from frugaltrain.train.loop import build_model, evaluate
-    from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+    from frugaltrain.models import build_model, evaluate
+    from frugaltrain.optim import build_inner_optimizer, build_schedule
 
     cfg = _config(args, out_dir)
     r, d = cfg.run, cfg.data

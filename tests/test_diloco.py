@@ -13,10 +13,11 @@ from frugaltrain.comm import LocalComm
 from frugaltrain.config import ConfigError, to_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.metrics.log import read_metrics
+from frugaltrain.models import build_model
+from frugaltrain.optim import build_inner_optimizer, build_schedule
 from frugaltrain.train import checkpoint
 from frugaltrain.train.launch import new_run_dir, prepare, run
-from frugaltrain.train.loop import build_model, train_worker
-from frugaltrain.train.optim import build_inner_optimizer, build_schedule
+from frugaltrain.train.loop import train_worker
 
 
 def _start(cfg) -> Path:

@@ -15,10 +15,11 @@ import torch.multiprocessing as mp
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.config import to_toml
+from frugaltrain.models import build_model
+from frugaltrain.models.parts import fragments, select
 from frugaltrain.outer import FactoredGossipDiLoCo
-from frugaltrain.outer.params import fragments, select
 from frugaltrain.train.launch import new_run_dir
-from frugaltrain.train.loop import build_model, train_worker
+from frugaltrain.train.loop import train_worker
 
 WORLD = 4
 
@@ -117,7 +118,7 @@ def _mean_recursion_rounds(cfg, comm) -> list[dict]:
         before = {
             "x": [x.clone() for x in fgd.outer],
             "delta": [x - p.detach() for x, p in zip(fgd.outer, fgd.params, strict=True)],
-            "m": [m.clone() for m in fgd._momenta()]
+            "m": [m.clone() for m in fgd.momenta()]
             if t
             else [torch.zeros_like(x) for x in fgd.outer],
         }
@@ -126,7 +127,7 @@ def _mean_recursion_rounds(cfg, comm) -> list[dict]:
             {
                 **before,
                 "x_next": [x.clone() for x in fgd.outer],
-                "m_next": [m.clone() for m in fgd._momenta()],
+                "m_next": [m.clone() for m in fgd.momenta()],
             }
         )
     return rounds

@@ -7,7 +7,7 @@ from frugaltrain.flow.cli import _parser, main
 
 def test_cli_surface_is_frozen() -> None:
     sub = next(a for a in _parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["bench", "plan", "train"]
+    assert sorted(sub.choices) == ["plan", "train"]
 
 
 def test_unknown_key_is_a_usage_error(capsys) -> None:

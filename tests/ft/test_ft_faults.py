@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from frugaltrain.config import ConfigError
-from frugaltrain.ft.inject import Injector, parse
+from frugaltrain.faults import Injector, parse
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import launch
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frugaltrain.ft.rendezvous import decide
+from frugaltrain.comm.rendezvous import decide
 
 
 def _who(worker: int, epoch: int, purpose: str, round_idx: int = 7) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from frugaltrain.sim import SimSection, simulate
-from frugaltrain.sim.config import validate_sim
+from frugaltrain.sim.config import SimConfig
 
 
 def test_forge_adamw_workers_match_adamw_workers(make_config):
@@ -13,7 +13,7 @@ def test_forge_adamw_workers_match_adamw_workers(make_config):
     sets += ("run.eval_every=0", "optim.grad_clip=0.5")
     ref = simulate(make_config(*sets), SimSection(ratio=0.5, compute_threads=2))
     forge_cfg = make_config(*sets, "optim.name='forge-adamw'")
-    validate_sim(SimSection(ratio=0.5), forge_cfg)  # `simulate CONFIG` accepts it too
+    SimConfig(**vars(forge_cfg), sim=SimSection(ratio=0.5))  # `simulate CONFIG` accepts it too
     got = simulate(forge_cfg, SimSection(ratio=0.5))
     for a, b in zip(ref.models, got.models, strict=True):
         for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):

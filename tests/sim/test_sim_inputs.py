@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from frugaltrain.config import ConfigError
+from frugaltrain.models import build_model
 from frugaltrain.sim import SimSection, simulate
 from frugaltrain.sim.config import build_sim
 from frugaltrain.sim.network import Network
-from frugaltrain.train.loop import build_model
 
 GLOBALM1 = ("outer.strategy='fgd'", "outer.preset='GlobalM1'")
 LOCALM2 = ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'")

@@ -255,6 +255,31 @@ class Comm:
     def barrier(self) -> None:
         pass
 
+    # Hooks the training loop calls on every worker. They do nothing here; the fault-tolerant
+    # runtime (comm/elastic.py) injects faults, admits restarted workers and reports membership.
+    def on_step(self, step: int, compute_s: float) -> None:
+        """After inner step `step` took `compute_s` seconds of compute."""
+
+    def on_round_end(self, round_idx: int, state_fn: Callable[[], dict]) -> None:
+        """At a round end, after any checkpoint; `state_fn()` is this worker's whole state."""
+
+    def rejoin(self, load: Callable[[dict], None], state_fn: Callable[[], dict]) -> bool:
+        """On a restarted worker: take a live peer's state through `load`. False: first start."""
+        return False
+
+    def round_fields(self) -> dict:
+        """Runtime fields of worker 0's round record (membership, late messages)."""
+        return {}
+
+    def drain_events(self) -> list[dict]:
+        """Membership records since the last call, for worker 0's metrics log."""
+        return []
+
+    def writes_markers(self, local_rank: int) -> bool:
+        """Whether this worker writes the COMPLETE marker of a checkpoint: one per machine (its
+        workers' files are there, so a machine without a shared file system can resume)."""
+        return local_rank == 0
+
     # Runtime-specific parts.
     def _all_reduce_sum(self, tensors: list[torch.Tensor], scale: float) -> Handle:
         raise NotImplementedError

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-CODECS = ("fp32", "bf16", "int8", "e3m0")
+from frugaltrain.config import CODECS  # the names the config accepts; each is handled below
+
 BLOCK = 256
 """Elements per scale block for int8 and e3m0 (one fp32 scale each)."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")
+from frugaltrain.config import TOPOLOGIES  # the names the config accepts; each is built below
 
 
 def mixing_matrix(topology: str, n: int, round_idx: int = 0, seed: int = 0) -> np.ndarray:

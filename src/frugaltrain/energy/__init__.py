@@ -1,4 +1,4 @@
-"""Energy: meters with provenance, analytic proxies, fitted time/energy models (issue 7).
+"""Energy: meters with provenance, analytic proxies, fitted time/energy models.
 
     from frugaltrain.energy import open_meter, transformer_train_flops
     m = open_meter("cpu"); m.start(); ...; reading = m.stop()   # reading.label says how it was got

@@ -186,7 +186,7 @@ def plot_predicted_vs_measured(
 
 
 def record_from_run_config(path: str, hardware: str, arch: str = "gpt") -> dict:
-    """A prediction record for a `frugaltrain train` TOML config (defaults as in config.py)."""
+    """A prediction record for a `frugaltrain train` TOML config (config/training.py defaults)."""
     with open(path, "rb") as fh:
         cfg = tomllib.load(fh)
     run, data, model = cfg.get("run", {}), cfg.get("data", {}), cfg.get("model", {})

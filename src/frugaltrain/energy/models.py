@@ -126,6 +126,26 @@ def _key(rec: dict, by: tuple[str, ...]) -> str:
     return "|".join(str(rec[k]) for k in by)
 
 
+def _by_key(records: list[dict], by: tuple[str, ...]) -> Iterator[tuple[str, list[dict]]]:
+    """The records grouped by their `by` key (e.g. 'a100|gpt'), keys in sorted order."""
+    for key in sorted({_key(r, by) for r in records}):
+        yield key, [r for r in records if _key(r, by) == key]
+
+
+def _predict_by_key(
+    X: np.ndarray, records: list[dict], by: tuple[str, ...], coef: dict[str, list[float]], what: str
+) -> np.ndarray:
+    """Row i of the design X times the coefficients fitted for record i's key; a key with no
+    fit raises, naming the model (`what`)."""
+    out = np.empty(len(records))
+    for i, r in enumerate(records):
+        key = _key(r, by)
+        if key not in coef:
+            raise ValueError(f"no {what} model for {'|'.join(by)} = {key!r}")
+        out[i] = X[i] @ np.asarray(coef[key])
+    return out
+
+
 @dataclass
 class StepTimeModel:
     """Roofline step-time model (see module docstring), one coefficient set per `by` key."""
@@ -139,21 +159,13 @@ class StepTimeModel:
         return np.column_stack([_col(records, t) for t in self.terms])
 
     def fit(self, records: list[dict]) -> StepTimeModel:
-        for key in sorted({_key(r, self.by) for r in records}):
-            sub = [r for r in records if _key(r, self.by) == key]
+        for key, sub in _by_key(records, self.by):
             c, se = _nnls_relative(self.design(sub), _col(sub, "seconds"))
             self.coef[key], self.se[key] = c.tolist(), se.tolist()
         return self
 
     def predict(self, records: list[dict]) -> np.ndarray:
-        X = self.design(records)
-        out = np.empty(len(records))
-        for i, r in enumerate(records):
-            key = _key(r, self.by)
-            if key not in self.coef:
-                raise ValueError(f"no time model for {'|'.join(self.by)} = {key!r}")
-            out[i] = X[i] @ np.asarray(self.coef[key])
-        return out
+        return _predict_by_key(self.design(records), records, self.by, self.coef, "time")
 
     def ceilings(self) -> dict[str, dict[str, float]]:
         """Effective ceilings per key: FLOP/s, bytes/s, tau0 in s/step, tau_layer in s per layer
@@ -192,22 +204,14 @@ class EnergyRoofline:
 
     def fit(self, records: list[dict]) -> EnergyRoofline:
         records = measured_only(records)
-        for key in sorted({_key(r, self.by) for r in records}):
-            sub = [r for r in records if _key(r, self.by) == key]
+        for key, sub in _by_key(records, self.by):
             X = self.design(sub, _col(sub, "seconds"))
             c, se = _nnls_relative(X, _col(sub, "energy_j"))
             self.coef[key], self.se[key] = c.tolist(), se.tolist()
         return self
 
     def predict(self, records: list[dict], seconds: np.ndarray) -> np.ndarray:
-        X = self.design(records, seconds)
-        out = np.empty(len(records))
-        for i, r in enumerate(records):
-            key = _key(r, self.by)
-            if key not in self.coef:
-                raise ValueError(f"no energy model for {'|'.join(self.by)} = {key!r}")
-            out[i] = X[i] @ np.asarray(self.coef[key])
-        return out
+        return _predict_by_key(self.design(records, seconds), records, self.by, self.coef, "energy")
 
     def named(self) -> dict[str, dict[str, float]]:
         names = ("P_static_W", "e_F_J_per_flop", "e_Q_J_per_byte", "e_X_J_per_byte")

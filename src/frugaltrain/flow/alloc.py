@@ -192,21 +192,16 @@ def profile(cfg, max_threads: int, micro_batches: int) -> dict:
     thread count, per-sample encoder times and per-micro-batch backbone times for cost fits."""
     import torch
 
-    from frugaltrain.flow.data import DigitCaptions, patches
+    from frugaltrain.flow.data import DigitCaptions
     from frugaltrain.flow.models import build_models
     from frugaltrain.flow.packing import pack_bfd, pack_fifo
 
-    ds, dtype, train = (
-        DigitCaptions.from_config(cfg),
-        getattr(torch, cfg.run.dtype),
-        cfg.run.train_encoder,
-    )
+    ds = DigitCaptions.from_config(cfg)
     enc, cons = build_models(cfg)
-    L = cfg.sched.capacity
     samples = [s for k in range(micro_batches) for s in ds.batch(10_000 + k)]  # unseen ids
     lengths = {s.sample_id: s.length for s in samples}
     # Diverse micro-batches (BFD-full and FIFO-partial) so the cost fit sees a range of shapes.
-    bins = pack_bfd(lengths, L) + pack_fifo(lengths, L)
+    bins = pack_bfd(lengths, cfg.sched.capacity) + pack_fifo(lengths, cfg.sched.capacity)
     saved = torch.get_num_threads()
     out = {
         "rho": {"encoder": {}, "backbone": {}},
@@ -219,43 +214,56 @@ def profile(cfg, max_threads: int, micro_batches: int) -> dict:
     try:
         for t in range(1, max_threads + 1):
             torch.set_num_threads(t)
-            enc_s, n_enc = 0.0, 0
-            for rep in range(2):  # first pass warms up allocator caches, second is timed
-                for s in samples:
-                    x = patches(s, cfg.data.patch, dtype)
-                    t0 = time.perf_counter()
-                    with torch.set_grad_enabled(train):
-                        y = enc(x)
-                        if train:
-                            y.backward(torch.ones_like(y))
-                    dt = time.perf_counter() - t0
-                    if rep:
-                        enc_s, n_enc = enc_s + dt, n_enc + 1
-                        if t == 1:
-                            out["enc_tokens"].append(s.n_visual)
-                            out["enc_seconds"].append(dt)
-            out["rho"]["encoder"][t] = n_enc / enc_s
-            bb_s, n_bb = 0.0, 0
-            for rep in range(2):
-                for b in bins:
-                    embs = [
-                        torch.randn(
-                            ds.sample(i).n_visual, cfg.model.enc_dim, dtype=dtype
-                        ).requires_grad_(train)
-                        for i in b
-                    ]
-                    texts = [torch.tensor(ds.sample(i).tokens) for i in b]
-                    t0 = time.perf_counter()
-                    cons.loss_sum(embs, texts).backward()
-                    dt = time.perf_counter() - t0
-                    if rep:
-                        bb_s, n_bb = bb_s + dt, n_bb + len(b)
-                        if t == 1:
-                            out["bins"].append([lengths[i] for i in b])
-                            out["bin_seconds"].append(dt)
-            # BFD and FIFO bins each hold every sample once, so n_bb counts each sample twice
+            enc_s = _time_encoder(cfg, enc, samples)
+            out["rho"]["encoder"][t] = len(enc_s) / sum(enc_s)
+            bin_s = _time_backbone(cfg, cons, ds, bins)
+            # BFD and FIFO bins each hold every sample once, so this counts each sample twice
             # over twice the time: the rate is still samples per second of backbone work.
-            out["rho"]["backbone"][t] = n_bb / bb_s
+            out["rho"]["backbone"][t] = sum(len(b) for b in bins) / sum(bin_s)
+            if t == 1:  # the cost fits use the one-thread times
+                out["enc_tokens"] = [s.n_visual for s in samples]
+                out["enc_seconds"] = enc_s
+                out["bins"] = [[lengths[i] for i in b] for b in bins]
+                out["bin_seconds"] = bin_s
     finally:
         torch.set_num_threads(saved)
     return out
+
+
+def _time_encoder(cfg, enc, samples: list) -> list[float]:
+    """Seconds of each sample's encoder forward (+ backward when trainable), measured on the
+    second of two passes: the first warms up the allocator's caches."""
+    import torch
+
+    from frugaltrain.flow.data import patches
+
+    dtype, train = getattr(torch, cfg.run.dtype), cfg.run.train_encoder
+    for _ in range(2):
+        seconds = []
+        for s in samples:
+            x = patches(s, cfg.data.patch, dtype)
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(train):
+                y = enc(x)
+                if train:
+                    y.backward(torch.ones_like(y))
+            seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+def _time_backbone(cfg, cons, ds, bins: list[list[int]]) -> list[float]:
+    """Seconds of each micro-batch's backbone forward + backward on random embeddings, measured
+    on the second of two passes."""
+    import torch
+
+    dtype, train = getattr(torch, cfg.run.dtype), cfg.run.train_encoder
+    for _ in range(2):
+        seconds = []
+        for b in bins:
+            shapes = [(ds.sample(i).n_visual, cfg.model.enc_dim) for i in b]
+            embs = [torch.randn(*sh, dtype=dtype).requires_grad_(train) for sh in shapes]
+            texts = [torch.tensor(ds.sample(i).tokens) for i in b]
+            t0 = time.perf_counter()
+            cons.loss_sum(embs, texts).backward()
+            seconds.append(time.perf_counter() - t0)
+    return seconds

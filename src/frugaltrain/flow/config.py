@@ -3,7 +3,8 @@
     [run] [data] [model] [pool] [sched] [alloc]
 
 Load with `load_flow_config(path, overrides)`; unknown keys and impossible values raise
-`ConfigError` (a ValueError) naming the key, the value and the fix.
+`ConfigError` (a ValueError) naming the key, the value and the fix. Each section checks its own
+fields (config.Section); FlowConfig checks the rules across sections.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from frugaltrain.config import ConfigError, build_config, read_toml
+from frugaltrain.config import Section, load, require
 
 MODES = ("monolithic", "sync", "flow")
 BACKENDS = ("shm", "dist")
 
 
 @dataclass(kw_only=True)
-class FlowRun:
+class FlowRun(Section):
+    section = "run"
     mode: str = "flow"
     """Execution mode: monolithic (lockstep, one process), sync (batch-synchronized
     disaggregated, DistTrain-like) or flow (producer runs ahead, bounded by the pool)."""
@@ -56,9 +58,39 @@ class FlowRun:
     out_dir: str = "runs/flow"
     """Directory for traces, metrics JSON and the timeline PNG."""
 
+    def check(self) -> None:
+        self.one_of("mode", MODES)
+        self.one_of("backend", BACKENDS)
+        for name in ("producers", "consumers", "threads", "mono_threads", "steps"):
+            self.at_least(name, 1)
+        self.require(
+            0 <= self.warmup_steps < self.steps,
+            "warmup_steps",
+            f"must be in [0, run.steps = {self.steps})",
+        )
+        self.one_of("dtype", ("float32", "float64"))
+        self.positive("lr")
+        self.one_of("optimizer", ("adamw", "sgd"))
+        self.at_least("staleness", 0)
+        self.positive("timeout_s")
+        if self.staleness:
+            self.require(
+                self.train_encoder,
+                "staleness",
+                "only applies with run.train_encoder = true; set run.staleness = 0 or enable "
+                "the trainable encoder",
+            )
+            self.require(
+                self.mode == "flow",
+                "staleness",
+                f"only the flow mode runs ahead; set run.staleness = 0 for run.mode = "
+                f"{self.mode!r}",
+            )
+
 
 @dataclass(kw_only=True)
-class FlowData:
+class FlowData(Section):
+    section = "data"
     global_batch: int = 16
     """Samples per global batch (per optimizer step)."""
     max_tiles: int = 4
@@ -68,9 +100,25 @@ class FlowData:
     patch: int = 2
     """Patch side in pixels (2 or 4; digits are 8x8)."""
 
+    def check(self) -> None:
+        self.at_least("global_batch", 1)
+        self.one_of("patch", (1, 2, 4, 8))
+        self.require(1 <= self.max_tiles <= 8, "max_tiles", "must be in 1..8")
+        self.require(
+            len(self.tile_weights) == self.max_tiles,
+            "tile_weights",
+            f"needs one weight per tile count, i.e. data.max_tiles = {self.max_tiles} values",
+        )
+        self.require(
+            all(w >= 0 for w in self.tile_weights) and sum(self.tile_weights) > 0,
+            "tile_weights",
+            "must be non-negative with a positive sum",
+        )
+
 
 @dataclass(kw_only=True)
-class FlowModel:
+class FlowModel(Section):
+    section = "model"
     enc_dim: int = 64
     """Encoder width d_v."""
     enc_layers: int = 2
@@ -84,18 +132,31 @@ class FlowModel:
     lm_heads: int = 4
     """Backbone attention heads (must divide lm_dim)."""
 
+    def check(self) -> None:
+        for module in ("enc", "lm"):
+            dim, heads = getattr(self, f"{module}_dim"), getattr(self, f"{module}_heads")
+            self.at_least(f"{module}_heads", 1)
+            self.require(
+                dim % heads == 0, f"{module}_heads", f"must divide model.{module}_dim = {dim}"
+            )
+
 
 @dataclass(kw_only=True)
-class FlowPool:
+class FlowPool(Section):
+    section = "pool"
     slots: int = 16
     """Slots per producer segment (samples). Bounds the producer's run-ahead; sync mode needs a
     whole global batch's share, flow only one wave of micro-batches (checked before a run)."""
     max_tokens: int = 0
     """Visual tokens per slot (0: the largest sample's, max_tiles * (8/patch)^2)."""
 
+    def check(self) -> None:
+        self.at_least("slots", 1)
+
 
 @dataclass(kw_only=True)
-class FlowSched:
+class FlowSched(Section):
+    section = "sched"
     capacity: int = 160
     """Micro-batch capacity L (tokens, visual + text) of one packed sequence."""
     policy: str = "bfd"
@@ -107,15 +168,26 @@ class FlowSched:
     micro-batch times; see `frugaltrain flow plan`) or auto (profile, fit both, use the one
     with the lower held-out error)."""
 
+    def check(self) -> None:
+        self.one_of("policy", ("bfd", "fifo"))
+        self.one_of("dispatch", ("snake", "lpt", "round_robin"))
+        self.one_of("cost", ("paper", "fitted", "auto"))
+
 
 @dataclass(kw_only=True)
-class FlowAlloc:
+class FlowAlloc(Section):
+    section = "alloc"
     budget: int = 2
     """Device budget R: worker slots of one thread each. Above the core count it oversubscribes."""
     max_threads: int = 2
     """Largest threads-per-replica candidate (the CPU stand-in for tensor parallelism)."""
     profile_steps: int = 3
     """Global batches of unseen samples timed per thread count in the warm-up profile (count)."""
+
+    def check(self) -> None:
+        self.at_least("budget", 2, "one slot per module")
+        self.at_least("max_threads", 1)
+        self.at_least("profile_steps", 1)
 
 
 @dataclass(kw_only=True)
@@ -128,7 +200,13 @@ class FlowConfig:
     alloc: FlowAlloc = field(default_factory=FlowAlloc)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        visual = self.data.max_tiles * self.tokens_per_tile
+        require(
+            self.pool.max_tokens == 0 or self.pool.max_tokens >= visual,
+            "pool.max_tokens",
+            self.pool.max_tokens,
+            f"must be 0 or >= the largest sample's visual tokens ({visual})",
+        )
 
     @property
     def tokens_per_tile(self) -> int:
@@ -139,84 +217,8 @@ class FlowConfig:
         return self.pool.max_tokens or self.data.max_tiles * self.tokens_per_tile
 
 
-def _require(ok: bool, key: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key} = {value!r}: {rule}")
-
-
-def _validate(c: FlowConfig) -> None:
-    r, d, m, p, s, a = c.run, c.data, c.model, c.pool, c.sched, c.alloc
-    _require(r.mode in MODES, "run.mode", r.mode, f"choose one of {', '.join(MODES)}")
-    _require(r.backend in BACKENDS, "run.backend", r.backend, "choose shm or dist")
-    _require(r.producers >= 1, "run.producers", r.producers, "must be at least 1")
-    _require(r.consumers >= 1, "run.consumers", r.consumers, "must be at least 1")
-    _require(r.threads >= 1, "run.threads", r.threads, "must be at least 1")
-    _require(r.mono_threads >= 1, "run.mono_threads", r.mono_threads, "must be at least 1")
-    _require(r.steps >= 1, "run.steps", r.steps, "must be at least 1")
-    _require(
-        0 <= r.warmup_steps < r.steps,
-        "run.warmup_steps",
-        r.warmup_steps,
-        f"must be in [0, run.steps = {r.steps})",
-    )
-    _require(r.dtype in ("float32", "float64"), "run.dtype", r.dtype, "choose float32 or float64")
-    _require(r.lr > 0, "run.lr", r.lr, "must be positive")
-    _require(r.optimizer in ("adamw", "sgd"), "run.optimizer", r.optimizer, "choose adamw or sgd")
-    _require(r.staleness >= 0, "run.staleness", r.staleness, "must be >= 0")
-    _require(r.timeout_s > 0, "run.timeout_s", r.timeout_s, "must be positive")
-    _require(d.global_batch >= 1, "data.global_batch", d.global_batch, "must be at least 1")
-    _require(d.patch in (1, 2, 4, 8), "data.patch", d.patch, "choose 1, 2, 4 or 8 (divides 8)")
-    _require(1 <= d.max_tiles <= 8, "data.max_tiles", d.max_tiles, "must be in 1..8")
-    _require(
-        len(d.tile_weights) == d.max_tiles,
-        "data.tile_weights",
-        d.tile_weights,
-        f"needs one weight per tile count, i.e. data.max_tiles = {d.max_tiles} values",
-    )
-    _require(
-        all(w >= 0 for w in d.tile_weights) and sum(d.tile_weights) > 0,
-        "data.tile_weights",
-        d.tile_weights,
-        "must be non-negative with a positive sum",
-    )
-    for key, dim, heads in (("enc", m.enc_dim, m.enc_heads), ("lm", m.lm_dim, m.lm_heads)):
-        _require(
-            dim % heads == 0, f"model.{key}_heads", heads, f"must divide model.{key}_dim = {dim}"
-        )
-    _require(p.slots >= 1, "pool.slots", p.slots, "must be at least 1")
-    _require(
-        p.max_tokens == 0 or p.max_tokens >= d.max_tiles * c.tokens_per_tile,
-        "pool.max_tokens",
-        p.max_tokens,
-        f"must be 0 or >= the largest sample's visual tokens ({d.max_tiles * c.tokens_per_tile})",
-    )
-    _require(s.policy in ("bfd", "fifo"), "sched.policy", s.policy, "choose bfd or fifo")
-    _require(
-        s.dispatch in ("snake", "lpt", "round_robin"),
-        "sched.dispatch",
-        s.dispatch,
-        "choose snake, lpt or round_robin",
-    )
-    _require(
-        s.cost in ("paper", "fitted", "auto"), "sched.cost", s.cost, "choose paper, fitted or auto"
-    )
-    _require(a.budget >= 2, "alloc.budget", a.budget, "must be at least 2 (one slot per module)")
-    _require(a.max_threads >= 1, "alloc.max_threads", a.max_threads, "must be at least 1")
-    _require(a.profile_steps >= 1, "alloc.profile_steps", a.profile_steps, "must be at least 1")
-    if r.staleness and not r.train_encoder:
-        raise ConfigError(
-            f"run.staleness = {r.staleness}: only applies with run.train_encoder = "
-            "true; set run.staleness = 0 or enable the trainable encoder"
-        )
-    if r.staleness and r.mode != "flow":
-        raise ConfigError(
-            f"run.staleness = {r.staleness}: only the flow mode runs ahead; set "
-            f"run.staleness = 0 for run.mode = {r.mode!r}"
-        )
-
-
 def load_flow_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> FlowConfig:
     """Build a `FlowConfig` from an optional TOML file plus `section.key=value` overrides."""
-    return build_config(FlowConfig, read_toml(path) if path else {}, overrides)
+    return load(FlowConfig, path, overrides)

@@ -27,7 +27,9 @@ deadlock raises `PoolClosed` / `TimeoutError` instead of hanging.
 from __future__ import annotations
 
 import time
+from dataclasses import InitVar, dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +51,35 @@ def decode_gva(gva: int) -> tuple[int, int]:
     return gva >> 40, gva & ((1 << 40) - 1)
 
 
-class ShmPool:
+@dataclass(kw_only=True, eq=False)
+class _PoolShape:
+    """The sizes both backends share: P producer segments of S slots, each [T, D] of `dtype`."""
+
+    producers: int
+    """P: producer processes, one segment each."""
+    consumers: int
+    """C: consumer processes."""
+    slots: int
+    """S: slots per segment (samples); bounds a producer's run-ahead."""
+    max_tokens: int
+    """T: visual tokens one slot holds (the largest sample's)."""
+    dim: int
+    """D: embedding width (the encoder's d_v)."""
+    dtype: torch.dtype
+    """Embedding and gradient dtype."""
+    timeout_s: float
+    """Deadline of every blocking call (seconds)."""
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"pool.slots = {self.slots}: must be at least 1")
+        # the short names of the module docstring, used throughout the pool's arithmetic
+        self.P, self.C, self.S = self.producers, self.consumers, self.slots
+        self.T, self.D = self.max_tokens, self.dim
+
+
+@dataclass(kw_only=True, eq=False)
+class ShmPool(_PoolShape):
     """Shared-memory pool for P producers and C consumers on one host (see module docstring).
 
     The slot table (sample_id, step, n_tokens, state, destination) lives in shared memory next
@@ -60,30 +90,19 @@ class ShmPool:
     `producer(p)` / `consumer(c)` there. `close()` from anywhere unblocks everyone.
     """
 
-    def __init__(
-        self,
-        *,
-        producers: int,
-        consumers: int,
-        slots: int,
-        max_tokens: int,
-        dim: int,
-        dtype: torch.dtype,
-        timeout_s: float,
-        ctx,
-    ) -> None:
-        if slots < 1:
-            raise ValueError(f"pool.slots = {slots}: must be at least 1")
-        self.P, self.C, self.S, self.T, self.D = producers, consumers, slots, max_tokens, dim
-        self.timeout_s = timeout_s
-        self.emb = torch.zeros(producers, slots, max_tokens, dim, dtype=dtype).share_memory_()
+    ctx: InitVar[Any]
+    """A multiprocessing context (e.g. spawn) that makes the semaphores and the closed flag."""
+
+    def __post_init__(self, ctx) -> None:
+        super().__post_init__()
+        self.emb = torch.zeros(self.P, self.S, self.T, self.D, dtype=self.dtype).share_memory_()
         self.grad = torch.zeros_like(self.emb).share_memory_()
         # per slot: sample_id, step, n_tokens, state, destination consumer
-        self.meta = torch.zeros(producers, slots, 5, dtype=torch.int64).share_memory_()
-        self.free = [ctx.Semaphore(slots) for _ in range(producers)]
-        self.ready = [ctx.Semaphore(0) for _ in range(consumers)]
-        self.grads = [ctx.Semaphore(0) for _ in range(producers)]
-        self.acks = [ctx.Semaphore(0) for _ in range(producers)]
+        self.meta = torch.zeros(self.P, self.S, 5, dtype=torch.int64).share_memory_()
+        self.free = [ctx.Semaphore(self.S) for _ in range(self.P)]
+        self.ready = [ctx.Semaphore(0) for _ in range(self.C)]
+        self.grads = [ctx.Semaphore(0) for _ in range(self.P)]
+        self.acks = [ctx.Semaphore(0) for _ in range(self.P)]
         self.closed = ctx.Event()
 
     def close(self) -> None:
@@ -242,7 +261,8 @@ class _ShmConsumer:
         """Nothing in flight: gradients are in the shared slab when `give_grad` returns."""
 
 
-class DistPool:
+@dataclass(kw_only=True, eq=False)
+class DistPool(_PoolShape):
     """torch.distributed point-to-point pool; build one per process after init_process_group.
 
     Producers are ranks 0..P-1 and consumers ranks P..P+C-1. Each (producer, consumer) pair is an
@@ -251,21 +271,12 @@ class DistPool:
     Tags: 0 header [sample_id, step, n, gva], 1 payload, 2 gradient, 3 handoff ack.
     """
 
-    def __init__(
-        self,
-        *,
-        producers: int,
-        consumers: int,
-        slots: int,
-        max_tokens: int,
-        dim: int,
-        dtype: torch.dtype,
-        timeout_s: float,
-        train_encoder: bool,
-    ) -> None:
-        self.P, self.C, self.S, self.T, self.D = producers, consumers, slots, max_tokens, dim
-        self.dtype, self.train = dtype, train_encoder
-        self.timeout = timedelta(seconds=timeout_s)
+    train_encoder: bool
+    """Gradients come back: a slot is free only once its sample's gradient has arrived."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.timeout = timedelta(seconds=self.timeout_s)
 
     def producer(self, p: int, tracer=None) -> _DistProducer:
         return _DistProducer(self, p, tracer)
@@ -289,14 +300,14 @@ class _DistProducer:
         for w in works:
             w.wait(self.pool.timeout)
         self.free.append(s)
-        return sample_id, (self.gslab[s, :n].clone() if self.pool.train else None)
+        return sample_id, (self.gslab[s, :n].clone() if self.pool.train_encoder else None)
 
     def put(self, sample_id: int, step: int, dest: int, emb_ND: torch.Tensor) -> None:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
         if not self.free:
-            if self.pool.train:  # a slot is only free once its gradient came back
+            if self.pool.train_encoder:  # a slot is only free once its gradient came back
                 raise AssertionError("trainable DistPool: call wait_grad before put when full")
             self._retire_oldest()
         t1 = time.perf_counter()
@@ -307,7 +318,7 @@ class _DistProducer:
         dst = self.pool.P + dest
         head = torch.tensor([sample_id, step, n, gva], dtype=torch.int64)
         works = [dist.isend(head, dst, tag=0), dist.isend(self.slab[s, :n], dst, tag=1)]
-        if self.pool.train:
+        if self.pool.train_encoder:
             works.append(dist.irecv(self.gslab[s, :n], dst, tag=2))
         self.pending.append((s, sample_id, works, n, head))
         if self.tr:

@@ -173,81 +173,107 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------- producer
 
 
+class _GradReturn:
+    """A trainable encoder's half of the gradient return through the pool.
+
+    It stashes what backward needs, back-propagates returning gradients in the plan's order (a
+    gradient that arrives early waits in `arrived`), holds a slot per sample until its gradient
+    is back, and steps the optimizer once a batch's gradients are all in (`version` counts steps).
+    """
+
+    def __init__(self, cfg: FlowConfig, enc: nn.Module, end, group, tr: Tracer) -> None:
+        self.enc, self.opt, self.end, self.group, self.tr = enc, _opt(enc, cfg), end, group, tr
+        self.P, self.S, self.s_max = cfg.run.producers, cfg.pool.slots, cfg.run.staleness
+        self.stash: dict[int, torch.Tensor] = {}  # sample_id -> output (s = 0) or input (s >= 1)
+        self.expected: deque[tuple[int, int]] = deque()  # (step, sample_id) in backward order
+        self.arrived: dict[int, torch.Tensor] = {}
+        self.outstanding = 0  # samples put whose gradient has not come back (slots held)
+        self.version = 0
+
+    def catch_up(self, k: int) -> None:
+        """Version barrier before encoding batch k: staleness 0 steps on batch k-1 first."""
+        while self.version < k - self.s_max:
+            self.finish(self.version)
+
+    def hold(self, k: int, sid: int, emb: torch.Tensor, x: torch.Tensor) -> None:
+        """Stash sample `sid` for backward and wait for the slot its `put` will take."""
+        self.stash[sid] = emb if self.s_max == 0 else x
+        self.expected.append((k, sid))
+        while self.outstanding >= self.S:  # slots are held until their gradient returns
+            self.take(True, -1)
+        self.outstanding += 1
+
+    def drain(self, k: int) -> None:
+        """Back-propagate every gradient that has already come back, without blocking."""
+        while self.take(False, k):
+            pass
+
+    def take(self, block: bool, step: int) -> bool:
+        """Take one returning gradient and back-propagate what is now in order; False if none
+        was there (non-blocking). A blocking wait is traced as a barrier at a step's end
+        (step >= 0) and as backpressure while waiting for a slot (step = -1)."""
+        t0 = time.perf_counter()
+        got = self.end.wait_grad() if block else self.end.poll_grad()
+        if block:
+            self.tr.add("barrier" if step >= 0 else "backpressure", t0, time.perf_counter(), step)
+        if got is None:
+            return False
+        self.arrived[got[0]] = got[1]
+        self.outstanding -= 1
+        self._backward_ready()
+        return True
+
+    def _backward_ready(self) -> None:
+        while self.expected and self.expected[0][1] in self.arrived:
+            k, sid = self.expected.popleft()
+            with self.tr.span("compute", k):
+                if self.s_max == 0:
+                    self.stash.pop(sid).backward(self.arrived.pop(sid))
+                else:  # stale: recompute with the current weights (changes the optimization)
+                    self.enc(self.stash.pop(sid)).backward(self.arrived.pop(sid))
+
+    def finish(self, k: int) -> None:
+        """Wait for the rest of batch k's gradients, then all-reduce and step."""
+        while any(step == k for step, _ in self.expected):
+            self.take(True, k)
+        with self.tr.span("optim", k):
+            if self.P > 1:
+                _all_reduce_grads(self.enc, self.group)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.version += 1
+        self.tr.step_end[k] = time.perf_counter()
+
+
 def _producer(
     cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: Tracer, fault=None
 ) -> dict:
     ds, dtype = DigitCaptions.from_config(cfg), getattr(torch, cfg.run.dtype)
-    P, S, s_max = cfg.run.producers, cfg.pool.slots, cfg.run.staleness
-    train, sync = cfg.run.train_encoder, cfg.run.mode == "sync"
+    P, train, s_max = cfg.run.producers, cfg.run.train_encoder, cfg.run.staleness
     enc, _ = build_models(cfg)
     enc.requires_grad_(train)
-    opt = _opt(enc, cfg)
-    stash: dict[int, torch.Tensor] = {}  # sample_id -> encoder output (s = 0) or input (s >= 1)
-    expected: deque[tuple[int, int]] = deque()  # (step, sample_id) in backward order
-    arrived: dict[int, torch.Tensor] = {}
-    outstanding, version = 0, 0
-
-    def backward_ready() -> None:
-        while expected and expected[0][1] in arrived:
-            k, sid = expected.popleft()
-            with tr.span("compute", k):
-                if s_max == 0:
-                    stash.pop(sid).backward(arrived.pop(sid))
-                else:  # stale: recompute with the current weights (changes the optimization)
-                    enc(stash.pop(sid)).backward(arrived.pop(sid))
-
-    def take_grad(block: bool, step: int) -> bool:
-        nonlocal outstanding
-        t0 = time.perf_counter()
-        got = end.wait_grad() if block else end.poll_grad()
-        if block:
-            tr.add("barrier" if step >= 0 else "backpressure", t0, time.perf_counter(), step)
-        if got is None:
-            return False
-        arrived[got[0]] = got[1]
-        outstanding -= 1
-        backward_ready()
-        return True
-
-    def finish(k: int) -> None:
-        nonlocal version
-        while any(step == k for step, _ in expected):
-            take_grad(True, k)
-        with tr.span("optim", k):
-            if P > 1:
-                _all_reduce_grads(enc, group)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        version += 1
-        tr.step_end[k] = time.perf_counter()
-
+    grads = _GradReturn(cfg, enc, end, group, tr) if train else None
     for k, plan in enumerate(plans):
         _inject(fault, tr.role, k)
-        if train:
-            while version < k - s_max:  # version barrier: staleness 0 steps on k-1 first
-                finish(version)
+        if grads:
+            grads.catch_up(k)
         mine = [(sid, r) for i, (sid, r) in enumerate(plan.consume_order()) if i % P == p]
         for sid, dest in mine:
             x = patches(ds.sample(sid), cfg.data.patch, dtype)
             with tr.span("compute", k), torch.set_grad_enabled(train and s_max == 0):
                 emb = enc(x)
-            if train:
-                stash[sid] = emb if s_max == 0 else x
-                expected.append((k, sid))
-                while outstanding >= S:  # slots are held until their gradient returns
-                    take_grad(True, -1)
-                outstanding += 1
+            if grads:
+                grads.hold(k, sid, emb, x)
             end.put(sid, k, dest, emb.detach())
-            if train:
-                while take_grad(False, k):
-                    pass
-        if sync:
+            if grads:
+                grads.drain(k)
+        if cfg.run.mode == "sync":
             with tr.span("barrier", k):
                 end.wait_ack(k)
-        if not train:
+        if not grads:  # trainable: the step ends at the optimizer step, in `finish`
             tr.step_end[k] = time.perf_counter()
-    while train and version < len(plans):
-        finish(version)
+    while grads and grads.version < len(plans):
+        grads.finish(grads.version)
     end.flush()
     return {"enc_state": _state(enc)}
 
@@ -352,8 +378,9 @@ def _worker(
         result_q.put(("error", rank, f"{role}: {traceback.format_exc()}"))
 
 
-def _dist_pool(cfg: FlowConfig) -> DistPool:
-    return DistPool(
+def _pool_shape(cfg: FlowConfig) -> dict:
+    """The sizes both pool backends are built with."""
+    return dict(
         producers=cfg.run.producers,
         consumers=cfg.run.consumers,
         slots=cfg.pool.slots,
@@ -361,8 +388,11 @@ def _dist_pool(cfg: FlowConfig) -> DistPool:
         dim=cfg.model.enc_dim,
         dtype=getattr(torch, cfg.run.dtype),
         timeout_s=cfg.run.timeout_s,
-        train_encoder=cfg.run.train_encoder,
     )
+
+
+def _dist_pool(cfg: FlowConfig) -> DistPool:
+    return DistPool(**_pool_shape(cfg), train_encoder=cfg.run.train_encoder)
 
 
 def run(
@@ -379,72 +409,79 @@ def run(
     plans = plans if plans is not None else make_plans(cfg, DigitCaptions.from_config(cfg))
     if cfg.run.mode == "monolithic":
         return run_monolithic(cfg, plans)
+    _check_slots(cfg, plans)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local-only launcher: stay on loopback
+    ctx = mp.get_context("spawn")
+    timeout = timedelta(seconds=cfg.run.timeout_s)
+    # the workers rendezvous here; it must outlive them, so it stays referenced until we return
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    pool = ShmPool(**_pool_shape(cfg), ctx=ctx) if cfg.run.backend == "shm" else None
+    result_q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, cfg, plans, store.port, pool, result_q, fault))
+        for r in range(cfg.run.producers + cfg.run.consumers)
+    ]
+    for pr in procs:
+        pr.start()
+    try:
+        results = _collect(procs, result_q, time.monotonic() + cfg.run.timeout_s * 2 + 60)
+        for pr in procs:
+            pr.join(timeout=cfg.run.timeout_s)
+    finally:
+        _stop(procs, pool)
+    if pool is not None:
+        leaked = int((pool.states() != 0).sum())
+        assert leaked == 0, f"{leaked} pool slots not FREE at shutdown"
+    return _run_result(results, cfg.run.producers, cfg.run.consumers)
+
+
+def _check_slots(cfg: FlowConfig, plans: list[BatchPlan]) -> None:
     need = min_slots(plans, cfg.run.producers, cfg.run.mode)
     if cfg.pool.slots < need:
         raise ConfigError(
             f"pool.slots = {cfg.pool.slots}: the plan needs at least {need} slots "
             f"per producer in {cfg.run.mode} mode, or the pool deadlocks; raise it"
         )
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local-only launcher: stay on loopback
-    P, C = cfg.run.producers, cfg.run.consumers
-    ctx = mp.get_context("spawn")
-    timeout = timedelta(seconds=cfg.run.timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    pool = None
-    if cfg.run.backend == "shm":
-        pool = ShmPool(
-            producers=P,
-            consumers=C,
-            slots=cfg.pool.slots,
-            max_tokens=cfg.slot_tokens,
-            dim=cfg.model.enc_dim,
-            dtype=getattr(torch, cfg.run.dtype),
-            timeout_s=cfg.run.timeout_s,
-            ctx=ctx,
-        )
-    result_q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, cfg, plans, store.port, pool, result_q, fault))
-        for r in range(P + C)
-    ]
-    for pr in procs:
-        pr.start()
+
+
+def _collect(procs: list, result_q, deadline: float) -> dict[int, dict]:
+    """Every worker's payload by rank; raises at the first reported error, on a worker that died
+    without reporting, or after `deadline` (time.monotonic)."""
     results: dict[int, dict] = {}
-    deadline = time.monotonic() + cfg.run.timeout_s * 2 + 60
-    try:
-        while len(results) < P + C:
-            try:
-                status, rank, payload = result_q.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-                if dead and not any(r in results for r in dead):
-                    raise FlowWorkerError(
-                        f"worker(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError("flow run: workers did not finish in time") from None
-                continue
-            if status == "error":
-                raise FlowWorkerError(payload)
-            results[rank] = payload
-        for pr in procs:
-            pr.join(timeout=cfg.run.timeout_s)
-    finally:
-        if pool is not None:
-            pool.close()
-        for pr in procs:  # only the processes this call started, by handle
-            if pr.is_alive():
-                pr.terminate()
-                pr.join(5)
+    while len(results) < len(procs):
+        try:
+            status, rank, payload = result_q.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+            if dead and not any(r in results for r in dead):
+                raise FlowWorkerError(
+                    f"worker(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                ) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError("flow run: workers did not finish in time") from None
+            continue
+        if status == "error":
+            raise FlowWorkerError(payload)
+        results[rank] = payload
+    return results
+
+
+def _stop(procs: list, pool: ShmPool | None) -> None:
+    """Unblock anyone still waiting on the pool, then end the workers still alive."""
     if pool is not None:
-        leaked = int((pool.states() != 0).sum())
-        assert leaked == 0, f"{leaked} pool slots not FREE at shutdown"
-    enc_state = _tensors(results[0]["enc_state"])
-    cons_state = _tensors(results[P]["cons_state"])
+        pool.close()
+    for pr in procs:  # only the processes this call started, by handle
+        if pr.is_alive():
+            pr.terminate()
+            pr.join(5)
+
+
+def _run_result(results: dict[int, dict], P: int, C: int) -> RunResult:
+    """Producer 0 and consumer 0 hold the (data-parallel identical) weights and the losses."""
     return RunResult(
         results[P]["losses"],
-        enc_state,
-        cons_state,
+        _tensors(results[0]["enc_state"]),
+        _tensors(results[P]["cons_state"]),
         [results[r]["trace"] for r in range(P + C)],
         {c: results[P + c]["delivered"] for c in range(C)},
     )

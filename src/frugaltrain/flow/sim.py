@@ -59,6 +59,119 @@ def _evaluate(roots, deps: Callable, value: Callable) -> dict:
     return memo
 
 
+@dataclass
+class _Streams:
+    """Where every sample sits in its producer's stream and in its consumer's micro-batches."""
+
+    stream: list[list[tuple[int, int, int]]]
+    """per producer: (step, sample_id, consumer) in consume order, round-robin over producers."""
+    pos: dict[int, tuple[int, int]]
+    """sample_id -> (producer, position in its stream)."""
+    where: dict[int, tuple[int, int, int]]
+    """sample_id -> (consumer, step, micro-batch index)."""
+    first_of_step: dict[tuple[int, int], int]
+    """(producer, step) -> position of the producer's first sample of that step."""
+
+
+def _streams(plans: list[BatchPlan], P: int) -> _Streams:
+    st = _Streams(stream=[[] for _ in range(P)], pos={}, where={}, first_of_step={})
+    for k, pl in enumerate(plans):
+        for i, (sid, c) in enumerate(pl.consume_order()):
+            p = i % P
+            st.first_of_step.setdefault((p, k), len(st.stream[p]))
+            st.pos[sid] = (p, len(st.stream[p]))
+            st.stream[p].append((k, sid, c))
+        for c, bins in enumerate(pl.rank_bins):
+            for b_i, b in enumerate(bins):
+                for sid in b:
+                    st.where[sid] = (c, k, b_i)
+    return st
+
+
+@dataclass(eq=False)
+class _Graph:
+    """The dependency DAG of one simulated run; a node's value is the time it happens.
+
+    ("ready", p, j)         producer p has encoded the j-th sample of its stream
+    ("release", p, j)       that sample's slot is free again
+    ("bin_end", c, k, i)    consumer c has run micro-batch i of step k
+    ("step_start", k)       the step barrier before step k is passed (optimizer step done)
+    ("step_end", k)         every consumer has run all of step k's micro-batches
+    ("recv", c, k)          sync: consumer c holds all of its samples of step k
+    ("handoff", k)          sync: every consumer holds batch k
+    """
+
+    plans: list[BatchPlan]
+    st: _Streams
+    sync: bool
+    slots: int
+    enc_s: Callable[[int], float]
+    bin_s: Callable[[list[int]], float]
+    optim_s: float
+
+    def __post_init__(self) -> None:
+        self.C = len(self.plans[0].rank_bins)
+        self._deps = {
+            "ready": self._ready,
+            "release": self._release,
+            "bin_end": self._bin_end,
+            "step_start": self._step_start,
+            "step_end": self._step_end,
+            "recv": self._recv,
+            "handoff": self._handoff,
+        }
+
+    def deps(self, n: tuple) -> list[tuple]:
+        return self._deps[n[0]](*n[1:])
+
+    def value(self, n: tuple, vals: list[float]) -> float:
+        t = max(vals, default=0.0)
+        if n[0] == "ready":
+            return t + self.enc_s(self.st.stream[n[1]][n[2]][1])
+        if n[0] == "bin_end":
+            return t + self.bin_s(self.plans[n[2]].rank_bins[n[1]][n[3]])
+        if n[0] == "step_start" and n[1]:
+            return t + self.optim_s
+        return t
+
+    def _ready(self, p: int, j: int) -> list[tuple]:
+        k = self.st.stream[p][j][0]
+        d = [("ready", p, j - 1)] if j else []
+        if j >= self.slots:
+            d.append(("release", p, j - self.slots))
+        if self.sync and k and self.st.first_of_step.get((p, k)) == j:
+            d.append(("handoff", k - 1))
+        return d
+
+    def _release(self, p: int, j: int) -> list[tuple]:
+        """Flow: when its micro-batch is done; sync: at the handoff."""
+        c, k, b_i = self.st.where[self.st.stream[p][j][1]]
+        return [("recv", c, k)] if self.sync else [("bin_end", c, k, b_i)]
+
+    def _bin_end(self, c: int, k: int, b_i: int) -> list[tuple]:
+        prev = [("bin_end", c, k, b_i - 1)] if b_i else [("step_start", k)]
+        if self.sync and b_i == 0:
+            prev.append(("recv", c, k))
+        return prev + [("ready", *self.st.pos[s]) for s in self.plans[k].rank_bins[c][b_i]]
+
+    def _step_start(self, k: int) -> list[tuple]:
+        return [("step_end", k - 1)] if k else []
+
+    def _step_end(self, k: int) -> list[tuple]:
+        bins = self.plans[k].rank_bins
+        return [
+            ("bin_end", c, k, len(bins[c]) - 1) if bins[c] else ("step_start", k)
+            for c in range(self.C)
+        ]
+
+    def _recv(self, c: int, k: int) -> list[tuple]:
+        mine = [s for b in self.plans[k].rank_bins[c] for s in b]
+        return [("step_start", k)] + [("ready", *self.st.pos[s]) for s in mine]
+
+    def _handoff(self, k: int) -> list[tuple]:
+        return [("recv", c, k) for c in range(self.C)]
+
+
 def simulate(
     plans: list[BatchPlan],
     *,
@@ -70,83 +183,32 @@ def simulate(
     optim_s: float,
     warmup_steps: int,
 ) -> SimResult:
-    """Simulated throughput of sync or flow (frozen encoder) over `plans`."""
-    P, C, K = producers, len(plans[0].rank_bins), len(plans)
-    sync = mode == "sync"
-    # Producer streams: (step, sample_id, consumer) in consume order, round-robin over producers.
-    stream: list[list[tuple[int, int, int]]] = [[] for _ in range(P)]
-    where: dict[int, tuple[int, int, int]] = {}  # sample_id -> (consumer, step, bin index)
-    first_of_step: dict[tuple[int, int], int] = {}
-    pos: dict[int, tuple[int, int]] = {}
-    for k, pl in enumerate(plans):
-        for i, (sid, c) in enumerate(pl.consume_order()):
-            p = i % P
-            first_of_step.setdefault((p, k), len(stream[p]))
-            pos[sid] = (p, len(stream[p]))
-            stream[p].append((k, sid, c))
-        for c, bins in enumerate(pl.rank_bins):
-            for b_i, b in enumerate(bins):
-                for sid in b:
-                    where[sid] = (c, k, b_i)
+    """Simulated throughput of sync or flow (frozen encoder) over `plans`.
 
-    def deps(n):
-        kind = n[0]
-        if kind == "ready":
-            _, p, j = n
-            k, sid, _ = stream[p][j]
-            d = [("ready", p, j - 1)] if j else []
-            if j >= slots:
-                d.append(("release", p, j - slots))
-            if sync and k and first_of_step.get((p, k)) == j:
-                d.append(("handoff", k - 1))
-            return d
-        if kind == "release":  # flow: when its micro-batch is done; sync: at the handoff
-            _, p, j = n
-            c, k, b_i = where[stream[p][j][1]]
-            return [("recv", c, k)] if sync else [("bin_end", c, k, b_i)]
-        if kind == "bin_end":
-            _, c, k, b_i = n
-            prev = [("bin_end", c, k, b_i - 1)] if b_i else [("step_start", k)]
-            if sync and b_i == 0:
-                prev.append(("recv", c, k))
-            return prev + [("ready", *pos[s]) for s in plans[k].rank_bins[c][b_i]]
-        if kind == "step_start":
-            return [("step_end", n[1] - 1)] if n[1] else []
-        if kind == "step_end":
-            k = n[1]
-            return [
-                ("bin_end", c, k, len(plans[k].rank_bins[c]) - 1)
-                if plans[k].rank_bins[c]
-                else ("step_start", k)
-                for c in range(C)
-            ]
-        if kind == "recv":
-            _, c, k = n
-            return [("step_start", k)] + [
-                ("ready", *pos[s]) for b in plans[k].rank_bins[c] for s in b
-            ]
-        if kind == "handoff":
-            return [("recv", c, n[1]) for c in range(C)]
-        raise AssertionError(n)
-
-    def value(n, vals):
-        t = max(vals, default=0.0)
-        if n[0] == "ready":
-            return t + enc_s(stream[n[1]][n[2]][1])
-        if n[0] == "bin_end":
-            return t + bin_s(plans[n[2]].rank_bins[n[1]][n[3]])
-        if n[0] == "step_start" and n[1]:
-            return t + optim_s
-        return t
-
-    memo = _evaluate([("step_end", k) for k in range(K)], deps, value)
+    Args:
+        slots: S, slots per producer.
+        enc_s: encoder seconds of one sample, by sample id.
+        bin_s: backbone seconds of one micro-batch (a list of sample ids).
+        optim_s: all-reduce + optimizer step seconds per step.
+    """
+    g = _Graph(
+        plans=plans,
+        st=_streams(plans, producers),
+        sync=mode == "sync",
+        slots=slots,
+        enc_s=enc_s,
+        bin_s=bin_s,
+        optim_s=optim_s,
+    )
+    K = len(plans)
+    memo = _evaluate([("step_end", k) for k in range(K)], g.deps, g.value)
     t0 = memo[("step_end", warmup_steps - 1)] if warmup_steps else 0.0
-    t1 = memo[("step_end", K - 1)]
-    measured = [k for k in range(warmup_steps, K)]
-    n = sum(len(b) for k in measured for bins in plans[k].rank_bins for b in bins)
-    busy_c = sum(bin_s(b) for k in measured for bins in plans[k].rank_bins for b in bins)
-    busy_p = sum(enc_s(s) for k in measured for bins in plans[k].rank_bins for b in bins for s in b)
-    return SimResult(n / (t1 - t0), busy_c / C / (t1 - t0), busy_p / P / (t1 - t0))
+    wall = memo[("step_end", K - 1)] - t0
+    bins = [b for pl in plans[warmup_steps:] for rank in pl.rank_bins for b in rank]
+    n = sum(len(b) for b in bins)
+    busy_c = sum(bin_s(b) for b in bins)
+    busy_p = sum(enc_s(s) for b in bins for s in b)
+    return SimResult(n / wall, busy_c / g.C / wall, busy_p / producers / wall)
 
 
 def simulate_monolithic(

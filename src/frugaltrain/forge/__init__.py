@@ -42,7 +42,7 @@ def forge_optimizer(
         eps: Adam epsilon.
         weight_decay: decoupled (adamw, lion) or coupled (sgd) decay for the decay group.
         no_decay: parameter name -> True for no weight decay; default: parameters with dim < 2
-            (norms and biases), like train.optim.decay_split.
+            (norms and biases), like optim.decay_split.
         **options: ForgeOptimizer keywords: max_grad_norm, accumulation_steps, tile_rows, states,
             rounding, seed, exclude, backend.
     """

@@ -1,13 +1,14 @@
 """How far apart the workers are: consensus distance and logit Jensen-Shannon disagreement.
 
 consensus distance  Xi^2 = (1/M) sum_i ||theta_i - theta_bar||^2, in total and per tensor group
-                    (embed, blocks, head, other; outer.params.group_of)
+                    (embed, blocks, head, other; models.parts.group_of)
 logit JS            mean over workers and tokens of JS(p_i || p_bar), where p_i is worker i's
                     next-token distribution and p_bar that of the averaged model, on one fixed
                     held-out batch (natural log; 0 when the workers agree, at most ln 2)
 
-Both need every worker's parameters, so they use the comm's diagnostic (uncounted) reductions and
-run only at evaluation rounds.
+Both need every worker's parameters: the real runtime gets their mean through the comm's
+diagnostic (uncounted) reductions at evaluation rounds, the simulator has them all at hand. The
+functions here are the per-worker arithmetic both share.
 """
 
 from __future__ import annotations
@@ -17,25 +18,32 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from frugaltrain.comm import Comm
-from frugaltrain.outer.params import group_of
+from frugaltrain.models.parts import group_of
 
 GROUPS = ("embed", "blocks", "head", "other")
 
 
 @torch.no_grad()
-def disagreement(model: torch.nn.Module, comm: Comm, batch: torch.Tensor) -> dict[str, float]:
-    """Consensus distance (total and per group) and logit JS of this worker set; call on every
-    worker at the same point. `batch` is a [B, T] tensor of token ids, the same on every worker."""
-    named = list(model.named_parameters())
-    mean = comm.metric_mean_tensors([p for _, p in named])
-    local = dict.fromkeys(GROUPS, 0.0)
-    for (name, p), m in zip(named, mean, strict=True):
-        local[group_of(name)] += (p.float() - m).pow(2).sum().item()
+def squared_distance(model: torch.nn.Module, mean: list[torch.Tensor]) -> dict[str, float]:
+    """||theta_i - theta_bar||^2 of this worker, per tensor group (`mean` in parameter order)."""
+    out = dict.fromkeys(GROUPS, 0.0)
+    for (name, p), m in zip(model.named_parameters(), mean, strict=True):
+        out[group_of(name)] += (p.float() - m).pow(2).sum().item()
+    return out
 
+
+@torch.no_grad()
+def averaged_model(model: torch.nn.Module, mean: list[torch.Tensor]) -> torch.nn.Module:
+    """A copy of `model` holding the workers' mean parameters."""
     averaged = copy.deepcopy(model)
-    for (_, p), m in zip(averaged.named_parameters(), mean, strict=True):
+    for p, m in zip(averaged.parameters(), mean, strict=True):
         p.copy_(m)
+    return averaged
+
+
+@torch.no_grad()
+def logit_js(model: torch.nn.Module, averaged: torch.nn.Module, batch: torch.Tensor) -> float:
+    """Mean over tokens of JS(p_model || p_averaged) on `batch` ([B, T] token ids), eval mode."""
     was_training = model.training
     model.eval()
     averaged.eval()
@@ -44,9 +52,4 @@ def disagreement(model: torch.nn.Module, comm: Comm, batch: torch.Tensor) -> dic
     model.train(was_training)
     log_m = torch.logaddexp(log_p, log_q) - torch.log(torch.tensor(2.0))
     js = 0.5 * ((log_p.exp() * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
-
-    values = comm.metric_mean([sum(local.values()), *local.values(), js.mean().item()])
-    out = {"consensus/total": values[0]}
-    out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:-1], strict=True)})
-    out["disagreement/logit_js"] = values[-1]
-    return out
+    return js.mean().item()

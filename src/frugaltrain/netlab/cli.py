@@ -17,14 +17,14 @@ from frugaltrain.config import ConfigError, to_toml
 
 
 def _train_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
-    from frugaltrain import cli
+    from frugaltrain.train.flags import add_train_flags, overrides
 
     parser = argparse.ArgumentParser(prog="frugaltrain netlab run")
-    cli._train_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["train", *rest])
+    add_train_flags(parser)
+    args = parser.parse_args(rest)
     if args.resume:
         raise ConfigError("netlab run starts new runs only; drop --resume")
-    return args.config, cli._shortcuts(args)
+    return args.config, overrides(args)
 
 
 def main(argv: list[str]) -> int:

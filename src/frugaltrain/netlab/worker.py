@@ -12,5 +12,5 @@ if __name__ == "__main__":
     cfg = build_config(Config, read_toml(Path(sys.argv[1])))
     import torch
 
-    torch.set_num_threads(launch._threads(cfg))
+    torch.set_num_threads(launch.worker_threads(cfg))
     launch.run(cfg, Path(sys.argv[2]))

@@ -1,7 +1,8 @@
 """Plain data parallel: average gradients over all workers after every backward pass.
 
 The baseline that never lets workers drift: one blocking all-reduce of the full gradient per inner
-step. With one worker it is plain single-process training.
+step. With one worker it is plain single-process training. It has no outer step, so it implements
+the strategy calls directly rather than the shared outer round.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ class DDP:
         model: this worker's replica (identically initialized on every worker).
         comm: communication endpoint.
         H: steps per logged round; it has no effect on the algorithm.
+        seed: unused (every strategy takes one).
     """
 
-    def __init__(self, model: nn.Module, comm: Comm, *, H: int) -> None:
+    def __init__(self, model: nn.Module, comm: Comm, *, H: int, seed: int = 0) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.comm = comm
         self.H = H

@@ -20,22 +20,17 @@ from torch import nn
 
 from frugaltrain.comm import Comm
 from frugaltrain.comm.topology import groups_matrix
-from frugaltrain.outer.diloco import copy_all_, outer_sgd, outer_step
+from frugaltrain.outer.round import OuterRound
 
 
-class NoLoCo:
+class NoLoCo(OuterRound):
     """NoLoCo for one worker.
 
-    Args:
-        model: this worker's replica.
-        comm: communication endpoint.
-        H: inner steps per outer round.
-        lr: beta, the step on the group-mean pseudo-gradient (public configs: 0.7).
-        momentum: mu (public configs: 0.5).
+    Args (besides outer.round.OuterRound's, whose lr is beta and momentum mu; public configs:
+    0.7 and 0.5; no Nesterov):
         consensus_pull: gamma, the pull towards the group mean (public code: gamma = beta).
         group_size: n, workers per group (public configs: 2).
         codec: encoding of what is sent.
-        seed: seeds the groups.
     """
 
     def __init__(
@@ -43,58 +38,26 @@ class NoLoCo:
         model: nn.Module,
         comm: Comm,
         *,
-        H: int,
         lr: float = 0.7,
         momentum: float = 0.5,
         consensus_pull: float = 0.7,
         group_size: int = 2,
         codec: str = "fp32",
-        seed: int = 0,
+        **outer,
     ) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.comm = comm
-        self.H = H
+        super().__init__(model, comm, lr=lr, momentum=momentum, nesterov=False, **outer)
         self.lr = lr
         self.pull = consensus_pull
         self.group_size = group_size
         self.codec = codec
-        self.seed = seed
-        self.round = 0
-        self.outer = [p.detach().clone() for p in self.params]  # phi_i
-        self.opt = outer_sgd(self.outer, lr, momentum, nesterov=False)
 
-    def before_step(self, step: int) -> None:
-        pass
-
-    def sync_grads(self) -> None:
-        pass
-
-    @torch.no_grad()
-    def after_step(self, step: int) -> bool:
-        if step % self.H:
-            return False
-        n = len(self.comm.members)
-        w = groups_matrix(n, self.group_size, self.round, self.seed)
-        deltas = [phi - theta for phi, theta in zip(self.outer, self.params, strict=True)]
-        if self.pull:
-            means = [phi.clone() for phi in self.outer]
-            self.comm.mix_(deltas + means, w, codec=self.codec)  # one exchange for both
-            for d, phi, mean in zip(deltas, self.outer, means, strict=True):
-                d.sub_(mean - phi, alpha=self.pull / self.lr)
-        else:
+    def exchange(self, deltas: list[torch.Tensor]) -> None:
+        """Average the pseudo-gradients in this round's group; fold in the pull to its mean."""
+        w = groups_matrix(len(self.comm.members), self.group_size, self.round, self.seed)
+        if not self.pull:
             self.comm.mix_(deltas, w, codec=self.codec)
-        outer_step(self.opt, self.outer, deltas, self.params)
-        self.round += 1
-        return True
-
-    def state_dict(self) -> dict:
-        return {
-            "outer": [x.clone() for x in self.outer],
-            "opt": self.opt.state_dict(),
-            "round": self.round,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        copy_all_(self.outer, state["outer"])
-        self.opt.load_state_dict(state["opt"])
-        self.round = state["round"]
+            return
+        means = [phi.clone() for phi in self.outer]
+        self.comm.mix_(deltas + means, w, codec=self.codec)  # one exchange for both
+        for d, phi, mean in zip(deltas, self.outer, means, strict=True):
+            d.sub_(mean - phi, alpha=self.pull / self.lr)

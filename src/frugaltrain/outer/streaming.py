@@ -12,7 +12,8 @@ is DiLoCo. On landing, with the globally averaged fragment pseudo-gradient Delta
                                                       on that fragment are discarded)
 
 Delta_p was computed tau steps before it is applied: Streaming DiLoCo has temporal staleness, the
-property Factored Gossip DiLoCo avoids.
+property Factored Gossip DiLoCo avoids. Only the schedule differs from the shared round
+(outer.round): each fragment is a round of its own over its slice of the parameters.
 """
 
 from __future__ import annotations
@@ -21,19 +22,15 @@ import torch
 from torch import nn
 
 from frugaltrain.comm import Comm, Handle
-from frugaltrain.outer.diloco import copy_all_, outer_sgd, outer_step
-from frugaltrain.outer.params import fragments
+from frugaltrain.models.parts import fragments
+from frugaltrain.outer.round import OuterRound, outer_step
 
 
-class StreamingDiLoCo:
+class StreamingDiLoCo(OuterRound):
     """Streaming DiLoCo for one worker.
 
-    Args:
-        model: this worker's replica.
-        comm: communication endpoint.
-        H: inner steps between two syncs of the same fragment.
-        lr, momentum, nesterov: outer optimizer (one per fragment).
-        fragments: P, the number of fragments (strided over blocks, outer.params.fragments).
+    Args (besides outer.round.OuterRound's; H is the steps between two syncs of a fragment):
+        fragments: P, the number of fragments (strided over blocks, models.parts.fragments).
         overlap: tau, inner steps between sending a fragment and applying it.
         merge_alpha: alpha of the merge.
         codec: encoding of the fragment pseudo-gradients (the paper sends e3m0).
@@ -44,35 +41,20 @@ class StreamingDiLoCo:
         model: nn.Module,
         comm: Comm,
         *,
-        H: int,
-        lr: float = 0.7,
-        momentum: float = 0.9,
-        nesterov: bool = True,
         fragments: int = 4,
         overlap: int = 1,
         merge_alpha: float = 0.0,
         codec: str = "fp32",
+        **outer,
     ) -> None:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        owner = _fragment_of([n for n, _ in named], fragments)
-        self.comm = comm
-        self.H = H
+        super().__init__(model, comm, **outer)
+        owner = _fragment_of(self.names, fragments)
         self.P = fragments
         self.tau = overlap
         self.alpha = merge_alpha
         self.codec = codec
-        self.params = [
-            [p for (_, p), f in zip(named, owner, strict=True) if f == k] for k in range(fragments)
-        ]
-        self.outer = [[p.detach().clone() for p in ps] for ps in self.params]
-        self.opts = [outer_sgd(xs, lr, momentum, nesterov) for xs in self.outer]
+        self.fragment_idx = [[i for i, f in enumerate(owner) if f == k] for k in range(fragments)]
         self._pending: dict[int, tuple[Handle, list[torch.Tensor]]] = {}
-
-    def before_step(self, step: int) -> None:
-        pass
-
-    def sync_grads(self) -> None:
-        pass
 
     @torch.no_grad()
     def after_step(self, step: int) -> bool:
@@ -83,31 +65,30 @@ class StreamingDiLoCo:
                 self._send(k)
             if pos == lands:
                 self._land(k)
-        return step % self.H == 0
+        if step % self.H:
+            return False
+        self.round += 1
+        return True
+
+    def _slice(self, k: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [tensors[i] for i in self.fragment_idx[k]]
 
     def _send(self, k: int) -> None:
-        deltas = [x - theta for x, theta in zip(self.outer[k], self.params[k], strict=True)]
+        outer, inner = self._slice(k, self.outer), self._slice(k, self.params)
+        deltas = [x - theta for x, theta in zip(outer, inner, strict=True)]
         handle = self.comm.all_reduce_mean_(deltas, blocking=False, codec=self.codec)
         self._pending[k] = (handle, deltas)
 
     def _land(self, k: int) -> None:
         handle, deltas = self._pending.pop(k)
         handle.wait()
-        outer_step(self.opts[k], self.outer[k], deltas, self.params[k], self.alpha)
+        outer, inner = self._slice(k, self.outer), self._slice(k, self.params)
+        outer_step(self.opt, outer, deltas, inner, self.alpha)
 
     def state_dict(self) -> dict:
         if self._pending:
             raise RuntimeError("checkpoint taken with fragments in flight; save at round ends")
-        return {
-            "outer": [[x.clone() for x in xs] for xs in self.outer],
-            "opts": [opt.state_dict() for opt in self.opts],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        for xs, saved in zip(self.outer, state["outer"], strict=True):
-            copy_all_(xs, saved)
-        for opt, s in zip(self.opts, state["opts"], strict=True):
-            opt.load_state_dict(s)
+        return super().state_dict()
 
 
 def _fragment_of(names: list[str], P: int) -> list[int]:

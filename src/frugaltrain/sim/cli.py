@@ -12,19 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from frugaltrain.config import ConfigError
+from frugaltrain.config import ConfigError, add_set_flag
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="frugaltrain simulate", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", help="TOML config (training sections plus [sim])")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key, e.g. --set sim.ratio=0.887 (repeatable)",
-    )
+    add_set_flag(p, "sim.ratio=0.887")
     p.add_argument("--out", help="run directory (default: run.out_dir/run.name-sim)")
     args = p.parse_args(argv)
     from frugaltrain.sim.config import load_sim_config

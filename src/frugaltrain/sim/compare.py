@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from frugaltrain.config import ConfigError
+from frugaltrain.config import ConfigError, add_set_flag
 
 METHODS: dict[str, list[str]] = {
     "ddp": ["outer.strategy=ddp"],
@@ -77,8 +77,12 @@ def run_compare(
     )
 
 
-def _load(out: Path, methods: list[str]) -> dict[str, list[tuple[dict, list[dict]]]]:
-    runs: dict[str, list] = {}
+# method -> one (summary, metric records) pair per seed that finished
+_Runs = dict[str, list[tuple[dict, list[dict]]]]
+
+
+def _load(out: Path, methods: list[str]) -> _Runs:
+    runs: _Runs = {}
     for m in methods:
         for d in sorted((out / _safe(m)).glob("seed*")):
             if not (d / "summary.json").is_file():
@@ -131,49 +135,47 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 def report(out: Path, methods: list[str] | None = None, target: float | None = None) -> str:
     """Write DIR/report.md and the PNGs from the runs in DIR; returns the markdown."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     meta = (
         json.loads((out / "compare.json").read_text()) if (out / "compare.json").is_file() else {}
     )
-    methods = methods or meta.get("methods", [])
-    runs = _load(out, methods)
-    first = next(iter(runs.values()))[0][0] if runs else {}
-    if runs and all(s.get("loss/excess_paired") is not None for rs in runs.values() for s, _ in rs):
-        key, label = "loss/excess_paired", "val loss - the source's own loss on it (nats)"
-    elif first.get("loss/floor") is not None:
-        key, label = "loss/excess", "val loss - entropy floor (nats)"
-    else:
-        key, label = "loss/val", "val loss (nats)"
+    runs = _load(out, methods or meta.get("methods", []))
+    key, label = _loss_key(runs)
     if target is None and "diloco" in runs:
         # Default target: the loss DiLoCo reaches (mean over seeds), plus 2%.
         target = statistics.mean(s[key] for s, _ in runs["diloco"]) * 1.02
-    rows = []
-    for m, rs in runs.items():
-        sums = [s for s, _ in rs]
-        ttt = [time_to_target(recs, key, target) for _, recs in rs] if target else []
-        rows.append(
-            (
-                m,
-                len(rs),
-                _ms([s[key] for s in sums]),
-                _ms([s["util/compute"] for s in sums]),
-                _ms([s["time/sim_s"] for s in sums]),
-                _ms([s["comm/bytes_sent_per_worker"] / 1e6 for s in sums]),
-                _ms([s["consensus/total"] for s in sums]),
-                _ms([_kj(s) for s in sums], ".4g"),
-                _ms([_comm_share(s) for s in sums], ".3g"),
-                _ms([t for t in ttt if t is not None]) + ("" if all(ttt) else " (not all)"),
-            )
-        )
     tag = (
         "simulated clock and network; synthetic data"
         if key.startswith("loss/excess")
         else "simulated clock and network"
     )
+    md = _preamble(meta, _first_summary(runs), tag)
+    md += _table(runs, key, target)
+    md += _energy_note(runs)
+    figs = _plot_curves(out, runs, key, label, tag)
+    figs += _plot_bars(out, runs, tag)
+    figs.append(_plot_pareto(out, runs, key, label, tag))
+    md += [f"![{f}]({f}.png)" for f in figs]
+    text = "\n".join(md) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+def _first_summary(runs: _Runs) -> dict:
+    return next(iter(runs.values()))[0][0] if runs else {}
+
+
+def _loss_key(runs: _Runs) -> tuple[str, str]:
+    """The loss to compare on and its axis label: the excess over the source's own loss when
+    every run has it, else the excess over the entropy floor, else the plain val loss."""
+    if runs and all(s.get("loss/excess_paired") is not None for rs in runs.values() for s, _ in rs):
+        return "loss/excess_paired", "val loss - the source's own loss on it (nats)"
+    if _first_summary(runs).get("loss/floor") is not None:
+        return "loss/excess", "val loss - entropy floor (nats)"
+    return "loss/val", "val loss (nats)"
+
+
+def _preamble(meta: dict, first: dict, tag: str) -> list[str]:
+    """Title, the config the runs came from, and the source's loss floor when there is one."""
     md = [f"# Compare report ({tag})", ""]
     if meta:
         md += [
@@ -187,38 +189,74 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
             f"{first['loss/floor']:.4f} nats/token.",
             "",
         ]
+    return md
+
+
+def _table(runs: _Runs, key: str, target: float | None) -> list[str]:
+    """One row per method, each cell the mean ± stdev over its seeds."""
     last_col = f"time to {key} <= {target:.4f} (sim. s)" if target else "-"
-    md += [
+    md = [
         f"| method | seeds | final {key} | utilization (sim.) | wall (sim. s) | MB sent/worker "
         "| consensus dist. | energy (est., sim. kJ) | comm share of energy (%) "
         f"| {last_col} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    md += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    md += ["| " + " | ".join(_row(m, rs, key, target)) + " |" for m, rs in runs.items()]
     md.append("")
+    return md
+
+
+def _row(m: str, rs: list[tuple[dict, list[dict]]], key: str, target: float | None) -> list[str]:
+    sums = [s for s, _ in rs]
+    ttt = [time_to_target(recs, key, target) for _, recs in rs] if target else []
+    return [
+        m,
+        str(len(rs)),
+        _ms([s[key] for s in sums]),
+        _ms([s["util/compute"] for s in sums]),
+        _ms([s["time/sim_s"] for s in sums]),
+        _ms([s["comm/bytes_sent_per_worker"] / 1e6 for s in sums]),
+        _ms([s["consensus/total"] for s in sums]),
+        _ms([_kj(s) for s in sums], ".4g"),
+        _ms([_comm_share(s) for s in sums], ".3g"),
+        _ms([t for t in ttt if t is not None]) + ("" if all(ttt) else " (not all)"),
+    ]
+
+
+def _energy_note(runs: _Runs) -> list[str]:
+    """Say how the energy column was estimated (nothing when no run has an estimate)."""
     labels = sorted(
         {s["energy/label"] for rs in runs.values() for s, _ in rs if "energy/label" in s}
     )
-    if labels:
-        md += [
-            "Energy is the simulated cluster's, all workers together, "
-            + "; ".join(f"`{label}`" for label in labels)
-            + ": an estimate on the simulated clock, not a measurement.",
-            "",
-        ]
+    if not labels:
+        return []
+    return [
+        "Energy is the simulated cluster's, all workers together, "
+        + "; ".join(f"`{label}`" for label in labels)
+        + ": an estimate on the simulated clock, not a measurement.",
+        "",
+    ]
 
-    def curve(ax, xkey, ykey):
-        for m, rs in runs.items():
-            for n, (_, recs) in enumerate(rs):
-                pts = [(r[xkey], r[ykey]) for r in recs if ykey in r and r.get(xkey) is not None]
-                if pts:
-                    ax.plot(
-                        *zip(*pts, strict=True),
-                        color=f"C{list(runs).index(m) % 10}",
-                        label=m if n == 0 else None,
-                        alpha=0.8,
-                    )
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=110)
+    _pyplot().close(fig)
+    return name
+
+
+def _plot_curves(out: Path, runs: _Runs, key: str, label: str, tag: str) -> list[str]:
+    """Loss against tokens and against simulated time, and consensus against tokens: one line
+    per run, one colour per method."""
     figs = []
     for name, xkey, ykey, xl, yl in (
         ("loss_vs_tokens", "tokens_per_worker", key, "tokens per worker", label),
@@ -231,23 +269,39 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
             "consensus distance (sum of squares)",
         ),
     ):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        curve(ax, xkey, ykey)
+        fig, ax = _pyplot().subplots(figsize=(6.4, 4.2))
+        _curve(ax, runs, xkey, ykey)
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         if ykey == key:
             ax.set_yscale("log")
         ax.set_title(f"{yl} ({tag})", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
-        plt.close(fig)
-        figs.append(name)
+        figs.append(_save(fig, out, name))
+    return figs
+
+
+def _curve(ax, runs: _Runs, xkey: str, ykey: str) -> None:
+    for i, (m, rs) in enumerate(runs.items()):
+        for n, (_, recs) in enumerate(rs):
+            pts = [(r[xkey], r[ykey]) for r in recs if ykey in r and r.get(xkey) is not None]
+            if pts:
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    color=f"C{i % 10}",
+                    label=m if n == 0 else None,
+                    alpha=0.8,
+                )
+
+
+def _plot_bars(out: Path, runs: _Runs, tag: str) -> list[str]:
+    """Mean compute utilization and mean bytes sent per worker, one bar per method."""
+    figs = []
     for name, skey, yl in (
         ("utilization", "util/compute", "compute utilization (simulated)"),
         ("bytes", "comm/bytes_sent_per_worker", "bytes sent per worker"),
     ):
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        fig, ax = _pyplot().subplots(figsize=(6.4, 3.6))
         names = list(runs)
         ax.bar(
             names,
@@ -257,11 +311,13 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
         ax.set_ylabel(yl)
         ax.set_title(f"{yl} ({tag})", fontsize=9)
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
-        plt.close(fig)
-        figs.append(name)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        figs.append(_save(fig, out, name))
+    return figs
+
+
+def _plot_pareto(out: Path, runs: _Runs, key: str, label: str, tag: str) -> str:
+    """Each method's mean (utilization, final loss), with the Pareto front dashed."""
+    fig, ax = _pyplot().subplots(figsize=(6.4, 4.2))
     points = {
         m: (
             statistics.mean(s["util/compute"] for s, _ in rs),
@@ -278,14 +334,7 @@ def report(out: Path, methods: list[str] | None = None, target: float | None = N
     ax.set_xlabel("compute utilization (simulated)")
     ax.set_ylabel(f"final {label}")
     ax.set_title(f"Pareto: utilization vs final loss, Mix2 subsets as circles\n({tag})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=110)
-    plt.close(fig)
-    figs.append("pareto")
-    md += [f"![{f}]({f}.png)" for f in figs]
-    text = "\n".join(md) + "\n"
-    (out / "report.md").write_text(text)
-    return text
+    return _save(fig, out, "pareto")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated method names",
     )
     p.add_argument("--seeds", default="0", help="comma-separated run.seed values")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    add_set_flag(p, "sim.ratio=0.887")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--target", type=float, help="target loss for time-to-target")
     p.add_argument("--report-only", action="store_true")

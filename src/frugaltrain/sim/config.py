@@ -1,15 +1,15 @@
 """The `[sim]` table: virtual clock, network and fault model of a simulated run.
 
-A simulate config is an ordinary training config (run, data, model, optim, outer) plus this
-table; `load_sim_config` splits the two, so `--set sim.ratio=0.887` and `--set outer.H=20` both
-work. Times are simulated seconds, bandwidths bits per second, powers watts.
+A simulate config (`SimConfig`) is an ordinary training config (run, data, model, optim, outer)
+plus this table, loaded like any other: `--set sim.ratio=0.887` and `--set outer.H=20` both work.
+Times are simulated seconds, bandwidths bits per second, powers watts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from frugaltrain.config import Config, ConfigError, build_config, read_toml
+from frugaltrain.config import Config, Section, build_config, load, require
 
 DEFAULT_LINK_J_PER_BYTE = 5e-9
 """Placeholder network energy, J per byte sent: an order-of-magnitude figure (a 100 Gb/s NIC
@@ -19,7 +19,8 @@ energy label marks it as a placeholder while it is in use."""
 
 
 @dataclass(kw_only=True)
-class SimSection:
+class SimSection(Section):
+    section = "sim"
     compute: str = "fixed"
     """Compute time per inner step: fixed (step_s), lognormal (step_s * exp(N(0, step_sigma))),
     measured (the real seconds the step took in this process), or trace (replays
@@ -85,94 +86,93 @@ class SimSection:
     """Network energy per byte sent, in J/B (both NICs and the switch). Default: a placeholder
     (see DEFAULT_LINK_J_PER_BYTE), not a measurement; set it for your network."""
 
-
-def validate_sim(s: SimSection, cfg: Config) -> None:
-    def need(ok: bool, key: str, value, rule: str) -> None:
-        if not ok:
-            raise ConfigError(f"sim.{key} = {value!r}: {rule}")
-
-    M = cfg.run.workers
-    need(
-        s.compute in ("fixed", "lognormal", "measured", "trace"),
-        "compute",
-        s.compute,
-        "choose fixed, lognormal, measured or trace",
-    )
-    if s.compute == "trace":
-        need(
-            len(s.compute_trace_s) > 0,
+    def check(self) -> None:
+        self.one_of("compute", ("fixed", "lognormal", "measured", "trace"))
+        if self.compute == "trace":
+            self.require(
+                len(self.compute_trace_s) > 0,
+                "compute_trace_s",
+                "compute = trace needs at least one round's compute seconds",
+            )
+        else:
+            self.require(
+                not self.compute_trace_s,
+                "compute_trace_s",
+                f"only read with compute = 'trace' (compute = {self.compute!r}); set sim.compute",
+            )
+        self.require(
+            all(c > 0 for c in self.compute_trace_s),
             "compute_trace_s",
-            s.compute_trace_s,
-            "compute = trace needs at least one round's compute seconds",
+            "every round's compute seconds must be > 0",
         )
-    else:
-        need(
-            not s.compute_trace_s,
-            "compute_trace_s",
-            s.compute_trace_s,
-            f"only read with compute = 'trace' (compute = {s.compute!r}); set sim.compute",
+        self.positive("step_s")
+        self.at_least("step_sigma", 0)
+        self.at_least("ratio", 0, "0: use bandwidth_bps")
+        self.require(all(b > 0 for b in self.bandwidth_bps), "bandwidth_bps", "must be > 0")
+        self.at_least("latency_s", 0)
+        self.require(
+            self.p2p_bandwidth_ratio > 0,
+            "p2p_bandwidth_ratio",
+            "must be > 0 (a fraction of the link's bandwidth; 1: nominal)",
         )
-    need(
-        all(c > 0 for c in s.compute_trace_s),
-        "compute_trace_s",
-        s.compute_trace_s,
-        "every round's compute seconds must be > 0",
-    )
-    need(s.step_s > 0, "step_s", s.step_s, "must be positive")
-    need(s.step_sigma >= 0, "step_sigma", s.step_sigma, "must be >= 0")
-    need(s.ratio >= 0, "ratio", s.ratio, "must be >= 0 (0: use bandwidth_bps)")
-    need(
-        len(s.bandwidth_bps) in (1, M),
-        "bandwidth_bps",
-        s.bandwidth_bps,
-        f"give one value or run.workers = {M} values",
-    )
-    need(all(b > 0 for b in s.bandwidth_bps), "bandwidth_bps", s.bandwidth_bps, "must be > 0")
-    need(s.latency_s >= 0, "latency_s", s.latency_s, "must be >= 0")
-    need(
-        s.p2p_bandwidth_ratio > 0,
-        "p2p_bandwidth_ratio",
-        s.p2p_bandwidth_ratio,
-        "must be > 0 (a fraction of the link's bandwidth; 1: nominal)",
-    )
-    need(0 <= s.straggler_prob <= 1, "straggler_prob", s.straggler_prob, "must be in [0, 1]")
-    need(s.straggler_slowdown >= 1, "straggler_slowdown", s.straggler_slowdown, "must be >= 1")
-    need(0 <= s.drop_prob < 1, "drop_prob", s.drop_prob, "must be in [0, 1)")
-    need(
-        s.allreduce_policy in ("retry", "rollback"),
-        "allreduce_policy",
-        s.allreduce_policy,
-        "choose retry or rollback",
-    )
-    need(s.timeout_s >= 0, "timeout_s", s.timeout_s, "must be >= 0 (0: twice the transfer)")
-    need(
-        -1 <= s.crash_worker < M,
-        "crash_worker",
-        s.crash_worker,
-        f"must be -1 (none) or a worker in [0, {M})",
-    )
-    need(
-        -1 <= s.straggler_worker < M,
-        "straggler_worker",
-        s.straggler_worker,
-        f"must be -1 (any) or a worker in [0, {M})",
-    )
-    if s.crash_worker >= 0:
-        need(M >= 2, "crash_worker", s.crash_worker, "a crash needs run.workers >= 2")
-        need(s.crash_rounds >= 1, "crash_rounds", s.crash_rounds, "must be >= 1 with a crash")
-    for key in ("compute_w", "idle_w", "link_j_per_byte"):
-        need(getattr(s, key) >= 0, key, getattr(s, key), "must be >= 0")
-    need(s.compute_threads >= 1, "compute_threads", s.compute_threads, "must be >= 1")
-    if cfg.run.device != "cpu":
-        raise ConfigError(
-            f"run.device = {cfg.run.device!r}: the simulator runs its virtual workers on the CPU; "
-            "set run.device = 'cpu'"
+        self.require(0 <= self.straggler_prob <= 1, "straggler_prob", "must be in [0, 1]")
+        self.at_least("straggler_slowdown", 1)
+        self.require(0 <= self.drop_prob < 1, "drop_prob", "must be in [0, 1)")
+        self.one_of("allreduce_policy", ("retry", "rollback"))
+        self.at_least("timeout_s", 0, "0: twice the transfer")
+        for key in ("compute_w", "idle_w", "link_j_per_byte"):
+            self.at_least(key, 0)
+        self.at_least("compute_threads", 1)
+
+    def check_against(self, cfg: Config) -> None:
+        """The rules that depend on the training config (worker indices, CPU only, no dropout)."""
+        M = cfg.run.workers
+        self.require(
+            len(self.bandwidth_bps) in (1, M),
+            "bandwidth_bps",
+            f"give one value or run.workers = {M} values",
         )
-    if cfg.model.dropout > 0:
-        raise ConfigError(
-            f"model.dropout = {cfg.model.dropout}: the simulator runs workers as threads that "
-            "share torch's global RNG, so dropout would not be reproducible; set model.dropout = 0"
+        self.require(
+            -1 <= self.crash_worker < M,
+            "crash_worker",
+            f"must be -1 (none) or a worker in [0, {M})",
         )
+        self.require(
+            -1 <= self.straggler_worker < M,
+            "straggler_worker",
+            f"must be -1 (any) or a worker in [0, {M})",
+        )
+        if self.crash_worker >= 0:
+            self.require(M >= 2, "crash_worker", "a crash needs run.workers >= 2")
+            self.at_least("crash_rounds", 1, "with a crash")
+        require(
+            cfg.run.device == "cpu",
+            "run.device",
+            cfg.run.device,
+            "the simulator runs its virtual workers on the CPU; set run.device = 'cpu'",
+        )
+        require(
+            cfg.model.dropout == 0,
+            "model.dropout",
+            cfg.model.dropout,
+            "the simulator runs workers as threads that share torch's global RNG, so dropout "
+            "would not be reproducible; set model.dropout = 0",
+        )
+
+
+@dataclass(kw_only=True)
+class SimConfig(Config):
+    """A training config plus the [sim] table: what `simulate` and `compare` read."""
+
+    sim: SimSection = field(default_factory=SimSection)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.sim.check_against(self)
+
+    def training(self) -> Config:
+        """The training sections alone (as a plain Config)."""
+        return Config(**{f.name: getattr(self, f.name) for f in fields(Config)})
 
 
 def energy_label(s: SimSection) -> str:
@@ -192,19 +192,13 @@ def load_sim_config(
 ) -> tuple[Config, SimSection]:
     """(training config, sim section) from a TOML file with an optional [sim] table and
     `--set` overrides (sim.* keys go to the sim section)."""
-    raw = read_toml(path) if path else {}
-    sim_raw = raw.pop("sim", {})
-    overrides = list(overrides or [])
-    sim_sets = [o.split(".", 1)[1] for o in overrides if o.startswith("sim.")]
-    cfg = build_config(Config, raw, [o for o in overrides if not o.startswith("sim.")])
-    sim = build_sim(sim_raw, sim_sets, cfg)
-    return cfg, sim
+    full = load(SimConfig, path, overrides)
+    return full.training(), full.sim
 
 
 def build_sim(raw: dict | None, overrides: list[str], cfg: Config) -> SimSection:
-    try:
-        sim = build_config(SimSection, raw or {}, overrides)
-    except ConfigError as e:
-        raise ConfigError(f"[sim] {e}") from e
-    validate_sim(sim, cfg)
+    """A sim section from its own keys (`raw`, `overrides` without the `sim.` prefix), checked
+    against the training config `cfg`."""
+    sim = build_config(SimSection, raw or {}, overrides)
+    sim.check_against(cfg)
     return sim

@@ -38,19 +38,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from frugaltrain.config import Config, to_toml
+from frugaltrain.config import Config, to_dict, to_toml
+from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import open_meter
 from frugaltrain.energy.proxies import transformer_train_flops
+from frugaltrain.metrics.consensus import GROUPS, averaged_model, squared_distance
 from frugaltrain.metrics.log import MetricsLog
-from frugaltrain.outer.params import group_of
+from frugaltrain.models import build_model, evaluate
+from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
+from frugaltrain.outer import build_strategy
 from frugaltrain.sim.config import SimSection, energy_label
 from frugaltrain.sim.network import build_network
 from frugaltrain.sim.world import SimComm, SimWorld
-from frugaltrain.train.loop import build_model, build_strategy, evaluate
-from frugaltrain.train.optim import build_inner_optimizer, build_schedule, is_forge
 
-GROUPS = ("embed", "blocks", "head", "other")
 ENERGY_KEYS = ("energy/compute_j", "energy/idle_j", "energy/comm_j", "energy/joules")
 
 
@@ -384,22 +385,19 @@ class _Sim:
 
     def _evaluate(self, live: list[int]) -> dict:
         models = [self.workers[i].model for i in live]
-        named = [list(m.named_parameters()) for m in models]
+        params = [list(m.parameters()) for m in models]
         mean = [
-            torch.stack([nm[k][1] for nm in named]).double().mean(0).float()
-            for k in range(len(named[0]))
+            torch.stack([ps[k] for ps in params]).double().mean(0).float()
+            for k in range(len(params[0]))
         ]
         groups = dict.fromkeys(GROUPS, 0.0)
-        for nm in named:
-            for (name, p), m in zip(nm, mean, strict=True):
-                groups[group_of(name)] += (p - m).pow(2).sum().item() / len(models)
-        avg = copy.deepcopy(models[0])
-        for p, m in zip(avg.parameters(), mean, strict=True):
-            p.copy_(m)
+        for model in models:
+            for g, d in squared_distance(model, mean).items():
+                groups[g] += d / len(models)
         vals = [evaluate(m, self.val_batches) for m in models]
         out = {
             "loss/val": sum(vals) / len(vals),
-            "loss/val_avg_model": evaluate(avg, self.val_batches),
+            "loss/val_avg_model": evaluate(averaged_model(models[0], mean), self.val_batches),
             "consensus/total": sum(groups.values()),
         }
         out.update({f"consensus/{g}": v for g, v in groups.items()})
@@ -467,14 +465,6 @@ def simulate(cfg: Config, sim: SimSection, run_dir: Path | None = None) -> SimRe
     # Parallelism comes from worker threads (sim.compute_threads), one core each.
     torch.set_num_threads(1)
     if run_dir is not None:
-        from frugaltrain.config import to_dict
-
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg) + _sim_toml(to_dict(sim)))
+        (run_dir / "config.toml").write_text(to_toml(cfg) + section_toml("sim", to_dict(sim)))
     return _Sim(cfg, sim, run_dir).run()
-
-
-def _sim_toml(values: dict) -> str:
-    from frugaltrain.config import _toml_value
-
-    return "[sim]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())

@@ -1,5 +1,6 @@
-"""Start a training run: pick the run directory, then run 1 worker in-process, N local worker
-processes joined by torch.distributed, or one worker under torchrun.
+"""Start a training run: check the config and data, pick the run directory, then run its
+workers: one in this process, N local processes (train/supervisor.py, plain or fault-tolerant),
+or this process as one worker under torchrun.
 
     frugaltrain train --workers 4                    # 4 local processes, gloo on CPU
     torchrun --nnodes 2 --nproc-per-node 4 -m frugaltrain train --config my.toml
@@ -20,6 +21,7 @@ from frugaltrain.config import Config, ConfigError, build_config, load_config, r
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
 from frugaltrain.train import checkpoint
 from frugaltrain.train.loop import train_worker
+from frugaltrain.train.supervisor import backend, run_local, worker_threads
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -59,7 +61,7 @@ def under_torchrun() -> bool:
 
 def _join_torchrun(cfg: Config) -> None:
     """Initialize the default process group from torchrun's environment (env://)."""
-    dist.init_process_group(_backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
+    dist.init_process_group(backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
     if dist.get_world_size() != cfg.run.workers:
         raise ConfigError(
             f"run.workers = {cfg.run.workers} but torchrun started "
@@ -80,47 +82,6 @@ def _shared_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def _threads(cfg: Config) -> int:
-    return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
-
-
-def _backend(cfg: Config) -> str:
-    if cfg.run.backend != "auto":
-        return cfg.run.backend
-    return "nccl" if cfg.run.device == "cuda" else "gloo"
-
-
-def _run_process(rank: int, cfg_toml: str, run_dir: str, port: int, resume: str | None) -> None:
-    """Entry of a spawned local worker process."""
-    from frugaltrain.comm.torchdist import TorchDistComm
-
-    cfg = build_config(Config, __import__("tomllib").loads(cfg_toml))
-    torch.set_num_threads(_threads(cfg))
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        cfg.run.workers,
-        is_master=False,
-        timeout=timedelta(seconds=cfg.run.timeout_s),
-    )
-    dist.init_process_group(
-        _backend(cfg),
-        store=store,
-        rank=rank,
-        world_size=cfg.run.workers,
-        timeout=timedelta(seconds=cfg.run.timeout_s),
-    )
-    try:
-        train_worker(
-            cfg,
-            TorchDistComm(deterministic=cfg.run.deterministic_comm),
-            Path(run_dir),
-            Path(resume) if resume else None,
-        )
-    finally:
-        dist.destroy_process_group()
-
-
 def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
     """Run all workers of `cfg` to completion on this machine (or this torchrun rank)."""
     if under_torchrun():
@@ -136,32 +97,11 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
             if owns_group:
                 dist.destroy_process_group()
         return
-    if cfg.run.fault_tolerance and cfg.run.workers > 1:
-        from frugaltrain.ft.launch import run_local
-
-        run_local(cfg, run_dir, resume_from)
-        return
     if cfg.run.workers == 1:
-        torch.set_num_threads(_threads(cfg))
+        torch.set_num_threads(worker_threads(cfg))
         train_worker(cfg, LocalComm(), run_dir, resume_from)
         return
-    # N local processes meeting at a store this process hosts on a free port (port 0).
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        cfg.run.workers,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=cfg.run.timeout_s),
-    )
-    torch.multiprocessing.start_processes(
-        _run_process,
-        args=(to_toml(cfg), str(run_dir), store.port, str(resume_from) if resume_from else None),
-        nprocs=cfg.run.workers,
-        start_method="spawn",
-        join=True,
-    )
-    del store
+    run_local(cfg, run_dir, resume_from)
 
 
 def prepare(config_path: str | None, overrides: list[str], resume: str | None):

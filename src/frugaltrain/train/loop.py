@@ -1,7 +1,11 @@
-"""The training loop of one worker, top to bottom: data, model, inner optimizer, outer strategy,
-then inner steps with an outer round every H steps, evaluation, metrics and checkpoints.
+"""The training loop of one worker, top to bottom: set up data, model, inner optimizer and outer
+strategy; then rounds of H inner steps, each ended by the strategy's outer step, with evaluation,
+metrics and checkpoints at round ends.
 
-Every worker runs this same function; worker 0 additionally writes metrics and shows progress.
+Every worker runs `train_worker` with the same config; worker 0 also writes metrics and shows
+progress. The communication runtime (`Comm`) is the only thing that differs between one process,
+torch.distributed workers and the fault-tolerant runtime.
+
 Timing (all measured wall clock, per worker):
     compute_s  = time in forward, backward and the inner optimizer step
     blocking_s = time blocked in communication (Handle.wait), from the comm's own accounting
@@ -27,24 +31,61 @@ import math
 import os
 import random
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from frugaltrain.comm import Comm
-from frugaltrain.config import Config, fgd_mixing
+from frugaltrain.config import Config
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import RaplMeter, open_meter
 from frugaltrain.energy.proxies import transformer_train_flops
-from frugaltrain.metrics.consensus import disagreement
-from frugaltrain.metrics.log import MetricsLog
-from frugaltrain.models.gpt import GPT, GPTConfig
-from frugaltrain.outer import STRATEGIES
+from frugaltrain.metrics.consensus import GROUPS, averaged_model, logit_js, squared_distance
+from frugaltrain.models import build_model, evaluate
+from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
+from frugaltrain.outer import build_strategy
 from frugaltrain.train import checkpoint
-from frugaltrain.train.optim import build_inner_optimizer, build_schedule, is_forge
+from frugaltrain.train.round_log import RoundLog
+
+
+@dataclass
+class Worker:
+    """One worker's training state and the parts that move it."""
+
+    cfg: Config
+    comm: Comm
+    device: torch.device
+    model: torch.nn.Module
+    inner: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    strategy: object
+    sampler: BatchSampler
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    step: int = 0  # inner steps done; also the data cursor (a batch is a function of the step)
+    round: int = 0
+
+    def state(self) -> dict:
+        """Everything a checkpoint (or a rejoining peer) needs to continue this worker."""
+        return {
+            "model": self.model.state_dict(),
+            "inner": self.inner.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "outer": self.strategy.state_dict(),
+            "rng": _rng_state(self.device),
+            "step": self.step,
+            "round": self.round,
+        }
+
+    def load(self, state: dict, rng: bool = True) -> None:
+        """Continue from `state`; a rejoining worker keeps its own RNG (dropout stays its own)."""
+        self.model.load_state_dict(state["model"])
+        self.inner.load_state_dict(state["inner"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.strategy.load_state_dict(state["outer"])
+        if rng:
+            _set_rng_state(state["rng"], self.device)
+        self.step, self.round = state["step"], state["round"]
 
 
 @dataclass
@@ -55,20 +96,206 @@ class WorkerResult:
     model: torch.nn.Module
 
 
-def build_model(cfg: Config) -> GPT:
-    m = cfg.model
-    torch.manual_seed(cfg.run.seed)  # same init on every worker: DiLoCo needs one shared x
-    return GPT(
-        GPTConfig(
-            n_layer=m.n_layer,
-            n_head=m.n_head,
-            n_embd=m.n_embd,
-            vocab_size=m.vocab_size,
-            block_size=cfg.data.seq_len,
-            dropout=m.dropout,
-            bias=m.bias,
-            tie_embeddings=m.tie_embeddings,
+def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | None = None):
+    """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
+    WorkerResult. Call on every worker with the same config."""
+    r = cfg.run
+    local_rank = int(os.environ.get("LOCAL_RANK", comm.rank))  # spawned locally: all on one host
+    device = worker_device(cfg, comm.rank)
+    meter, meter_counts = open_energy_meter(device, local_rank)
+    w = setup(cfg, comm, device, resume_from)
+    log = _round_log(cfg, w, run_dir, resumed=resume_from is not None)
+
+    val_loss = None
+    t_start = time.perf_counter()
+    stats_at_start = comm.stats.copy()
+    while w.step < r.steps:
+        loss_sum, compute_s, steps, lr = run_round(w, log)
+        log.write_steps()
+        record = round_record(w, steps, lr, time.perf_counter() - t_start)
+        val_loss = None
+        if eval_due(cfg, w.step, steps):
+            val_loss, fields = evaluate_round(w)
+            record.update(fields)
+        reading = meter.stop()  # this round's window: steps, eval and the outer step
+        meter.start()
+        record["energy/label"] = reading.label
+        sent = comm.stats.minus(stats_at_start)
+        joules = (reading.joules or 0.0) if meter_counts else 0.0
+        no_meter = float(meter_counts and reading.joules is None)
+        scalars = [loss_sum / steps, compute_s, sent.blocking_s, sent.bytes_sent]
+        scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter]
+        if comm.rank == 0:
+            record.update(comm.round_fields())
+        log.round(record, comm.metric_mean_async(scalars), val_loss is not None)
+        stats_at_start = comm.stats.copy()  # a checkpoint's barrier counts in the next round
+
+        stop = bool(r.stop_at_round) and w.round >= r.stop_at_round
+        if stop or w.step >= r.steps or (r.checkpoint_every and w.round % r.checkpoint_every == 0):
+            log.flush(everything=True)
+            save_checkpoint(w, run_dir, local_rank)
+        comm.on_round_end(w.round, w.state)
+        log.events(comm.drain_events())
+        if stop:
+            break
+    log.close()
+    return WorkerResult(step=w.step, round=w.round, val_loss=val_loss, model=w.model)
+
+
+def setup(cfg: Config, comm: Comm, device: torch.device, resume_from: Path | None) -> Worker:
+    """Data (this worker's shard, and validation batches shared by all), model, inner optimizer
+    and schedule, outer strategy; then a checkpoint's or a live peer's state, if there is one."""
+    r, d = cfg.run, cfg.data
+    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    shard = shard_tokens(corpus.train, comm.rank, comm.world_size, d.num_shards, d.sharding)
+    sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, comm.rank))
+    val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
+    val_batches = [tuple(t.to(device) for t in val_sampler.batch(i)) for i in range(r.eval_batches)]
+
+    model = build_model(cfg).to(device)
+    model.train()
+    inner = build_inner_optimizer(model, cfg.optim)
+    schedule = build_schedule(inner, cfg.optim, r.steps)
+    strategy = build_strategy(cfg, model, comm)
+    torch.manual_seed(worker_seed(r.seed, comm.rank))  # dropout differs per worker
+    w = Worker(cfg, comm, device, model, inner, schedule, strategy, sampler, val_batches)
+    if resume_from is not None:
+        w.load(checkpoint.load_worker(resume_from, comm.rank, cfg))
+    comm.rejoin(lambda state: w.load(state, rng=False), w.state)  # a restarted worker only
+    return w
+
+
+def run_round(w: Worker, log: RoundLog) -> tuple[float, float, int, float]:
+    """Inner steps up to the strategy's next outer round (which runs inside `after_step`) or the
+    run's end. Returns (sum of losses, compute seconds, steps, last lr)."""
+    loss_sum, compute_s, steps = 0.0, 0.0, 0
+    while True:
+        loss, lr, seconds = inner_step(w, log)
+        loss_sum, compute_s, steps = loss_sum + loss, compute_s + seconds, steps + 1
+        log.step(w.step, loss, lr)
+        # The outer round's blocking communication is accounted inside the comm.
+        if w.strategy.after_step(w.step) or w.step >= w.cfg.run.steps:
+            w.round += 1
+            return loss_sum, compute_s, steps, lr
+
+
+def inner_step(w: Worker, log: RoundLog) -> tuple[float, float, float]:
+    """One inner step; returns (loss, lr, compute seconds). DDP's gradient all-reduce inside it
+    is blocking time, not compute."""
+    t0 = time.perf_counter()
+    blocked0 = w.comm.stats.blocking_s
+    w.strategy.before_step(w.step)
+    x, y = (t.to(w.device, non_blocking=True) for t in w.sampler.batch(w.step))
+    _, loss = w.model(x, y)
+    loss_value = loss.item()  # the step's one host sync (on a GPU: before backward starts)
+    if not math.isfinite(loss_value):
+        log.write_steps()
+        raise FloatingPointError(
+            f"[worker {w.comm.rank} step {w.step}] non-finite loss {loss_value}; stopping before "
+            "the update (lower optim.lr or raise optim.warmup_steps)"
         )
+    if is_forge(w.cfg.optim):
+        # FORGE updates every weight inside backward (two passes for exact clipping when
+        # optim.grad_clip > 0); no gradient exists afterwards, so nothing to sync or clip.
+        w.inner.backward(loss)
+    else:
+        loss.backward()
+        w.strategy.sync_grads()
+        if w.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(w.model.parameters(), w.cfg.optim.grad_clip)
+    lr = w.inner.param_groups[0]["lr"]
+    w.inner.step()
+    w.schedule.step()
+    w.inner.zero_grad(set_to_none=True)
+    w.step += 1
+    # An injected straggler (fault-tolerant runtime) computes slower: its sleep counts here.
+    w.comm.on_step(w.step, time.perf_counter() - t0 - (w.comm.stats.blocking_s - blocked0))
+    return loss_value, lr, time.perf_counter() - t0 - (w.comm.stats.blocking_s - blocked0)
+
+
+def eval_due(cfg: Config, step: int, round_steps: int) -> bool:
+    """Evaluate when the round crossed a multiple of run.eval_every, and at the end."""
+    every = cfg.run.eval_every
+    crossed = every and step // every > (step - round_steps) // every
+    return bool(crossed) or step == cfg.run.steps
+
+
+def evaluate_round(w: Worker) -> tuple[float, dict]:
+    """Validation loss, and with several workers how far apart they are. Evaluation rounds
+    synchronize (the diagnostics need every worker's parameters); their time is reported apart
+    and is neither compute nor algorithm blocking."""
+    t0 = time.perf_counter()
+    val_loss = evaluate(w.model, w.val_batches)
+    fields = disagreement(w.model, w.comm, w.val_batches[0][0]) if w.comm.world_size > 1 else {}
+    fields["time/eval_s"] = time.perf_counter() - t0
+    return val_loss, fields
+
+
+def disagreement(model: torch.nn.Module, comm: Comm, batch: torch.Tensor) -> dict[str, float]:
+    """Consensus distance (total and per group) and logit JS of the workers (metrics.consensus),
+    through the comm's uncounted diagnostic reductions; call on every worker at once."""
+    mean = comm.metric_mean_tensors(list(model.parameters()))
+    local = squared_distance(model, mean)
+    js = logit_js(model, averaged_model(model, mean), batch)
+    values = comm.metric_mean([sum(local.values()), *local.values(), js])
+    out = {"consensus/total": values[0]}
+    out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:-1], strict=True)})
+    out["disagreement/logit_js"] = values[-1]
+    return out
+
+
+def round_record(w: Worker, steps: int, lr: float, wall_s: float) -> dict:
+    """A round's record before the workers' means are in (RoundLog completes it)."""
+    cfg, M = w.cfg, w.comm.world_size
+    d, m = cfg.data, cfg.model
+    tokens_per_step = d.batch_size * d.seq_len
+    flops_per_token = transformer_train_flops(
+        m.n_layer, m.n_embd, m.n_head, d.seq_len, m.vocab_size, 1
+    )
+    return {
+        "kind": "round",
+        "round": w.round,
+        "step": w.step,
+        "strategy": cfg.outer.strategy,
+        "workers": M,
+        "clock": "measured",
+        "tokens": w.step * tokens_per_step * M,
+        "lr": lr,
+        "time/wall_s": wall_s,
+        "flops/train": flops_per_token * steps * tokens_per_step * M,
+        "flops/label": "estimated (analytic)",
+    }
+
+
+def save_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
+    """Every worker writes its state; once all have, one per machine marks the round COMPLETE.
+    A worker that is down (fault-tolerant runtime) gets a stand-in: the state it would take on
+    rejoining."""
+    comm = w.comm
+    checkpoint.save_worker(run_dir, w.round, comm.rank, w.state())
+    writer = comm.writes_markers(local_rank)
+    if writer:
+        for absent in sorted(set(range(comm.world_size)) - set(comm.members)):
+            checkpoint.save_worker(run_dir, w.round, absent, w.state())
+    comm.barrier()
+    if writer:
+        checkpoint.mark_complete(run_dir, w.round, w.step, w.cfg)
+
+
+def _round_log(cfg: Config, w: Worker, run_dir: Path, resumed: bool) -> RoundLog:
+    is_main = w.comm.rank == 0
+    bar = None
+    if is_main and cfg.run.progress:
+        from tqdm import tqdm
+
+        desc = f"{cfg.outer.strategy} x{w.comm.world_size}"
+        bar = tqdm(total=cfg.run.steps, initial=w.step, desc=desc, unit="step", leave=False)
+    return RoundLog(
+        run_dir / "metrics.jsonl",
+        enabled=is_main,
+        resumed_at=w.step if resumed else None,
+        workers=w.comm.world_size,
+        bar=bar,
     )
 
 
@@ -81,71 +308,6 @@ def worker_device(cfg: Config, rank: int) -> torch.device:
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def build_strategy(cfg: Config, model: torch.nn.Module, comm: Comm):
-    """The outer strategy of `cfg` for this worker (outer/__init__.py lists the interface)."""
-    o = cfg.outer
-    cls = STRATEGIES[o.strategy]
-    if o.strategy == "ddp":
-        return cls(model, comm, H=o.H)
-    outer_opt = {"H": o.H, "lr": o.lr, "momentum": o.momentum}
-    if o.strategy == "diloco":
-        return cls(model, comm, nesterov=o.nesterov, **outer_opt)
-    if o.strategy == "fgd":
-        return cls(
-            model,
-            comm,
-            nesterov=o.nesterov,
-            momentum_policy=o.momentum_policy,
-            codec=o.codec,
-            seed=cfg.run.seed,
-            **fgd_mixing(o),
-            **outer_opt,
-        )
-    if o.strategy == "noloco":
-        return cls(
-            model,
-            comm,
-            consensus_pull=o.consensus_pull,
-            group_size=o.group_size,
-            codec=o.codec,
-            seed=cfg.run.seed,
-            **outer_opt,
-        )
-    return cls(
-        model,
-        comm,
-        nesterov=o.nesterov,
-        fragments=o.fragments,
-        overlap=o.overlap,
-        merge_alpha=o.merge_alpha,
-        codec=o.codec,
-        **outer_opt,
-    )
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    was_training = model.training
-    model.eval()
-    total = sum(model(x, y)[1].item() for x, y in batches) / len(batches)
-    model.train(was_training)
-    return total
-
-
-def _rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":  # dropout on a GPU draws from that device's generator
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def open_energy_meter(device: torch.device, local_rank: int):
@@ -162,251 +324,15 @@ def open_energy_meter(device: torch.device, local_rank: int):
     return meter, counts
 
 
-def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | None = None):
-    """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
-    WorkerResult. Call on every worker with the same config."""
-    r, d = cfg.run, cfg.data
-    rank, M = comm.rank, comm.world_size
-    is_main = rank == 0
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
-    device = worker_device(cfg, rank)
-    meter, meter_counts = open_energy_meter(device, local_rank)
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":  # dropout on a GPU draws from that device's generator
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
-    # ---- data: this worker's shard, and fixed validation batches shared by all workers
-    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
-    shard = shard_tokens(corpus.train, rank, M, d.num_shards, d.sharding)
-    sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, rank))
-    val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
-    val_batches = [tuple(t.to(device) for t in val_sampler.batch(i)) for i in range(r.eval_batches)]
 
-    # ---- model, inner optimizer and schedule, outer strategy
-    model = build_model(cfg).to(device)
-    model.train()
-    inner = build_inner_optimizer(model, cfg.optim)
-    forge = is_forge(cfg.optim)
-    schedule = build_schedule(inner, cfg.optim, r.steps)
-    strategy = build_strategy(cfg, model, comm)
-    torch.manual_seed(worker_seed(r.seed, rank))  # dropout differs per worker
-
-    step, round_idx = 0, 0
-    if resume_from is not None:
-        state = checkpoint.load_worker(resume_from, rank, cfg)
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["inner"])
-        schedule.load_state_dict(state["schedule"])
-        strategy.load_state_dict(state["outer"])
-        _set_rng_state(state["rng"], device)
-        step, round_idx = state["step"], state["round"]  # step is also the data cursor
-
-    def worker_state() -> dict:
-        """Everything a checkpoint (or a rejoining peer) needs to continue this worker."""
-        return {
-            "model": model.state_dict(),
-            "inner": inner.state_dict(),
-            "schedule": schedule.state_dict(),
-            "outer": strategy.state_dict(),
-            "rng": _rng_state(device),
-            "step": step,
-            "round": round_idx,
-        }
-
-    # Fault tolerance (frugaltrain.ft): a restarted worker takes a live peer's state (not its
-    # RNG: dropout stays per worker), injected faults fire per step, joins happen at round ends.
-    ft = comm if hasattr(comm, "on_round_end") else None
-    if ft is not None:
-
-        def load_peer_state(state: dict) -> None:
-            nonlocal step, round_idx
-            model.load_state_dict(state["model"])
-            inner.load_state_dict(state["inner"])
-            schedule.load_state_dict(state["schedule"])
-            strategy.load_state_dict(state["outer"])
-            step, round_idx = state["step"], state["round"]
-
-        ft.rejoin(load_peer_state, worker_state)
-
-    log = MetricsLog(
-        run_dir / "metrics.jsonl",
-        enabled=is_main,
-        truncate_after_step=step if resume_from is not None else None,
-    )
-    bar = None
-    if is_main and r.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=r.steps, initial=step, desc=f"{cfg.outer.strategy} x{M}", unit="step", leave=False
-        )
-
-    tokens_per_step = d.batch_size * d.seq_len
-    stop_round = r.stop_at_round or None
-    val_loss = None
-    t_start = time.perf_counter()
-    round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
-    stats_at_round_start = comm.stats.copy()
-    pending: deque[tuple[dict, Callable[[], list[float]], bool]] = deque()
-    step_records: list[tuple[int, float, float]] = []
-    flops_per_token = transformer_train_flops(
-        cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, d.seq_len, cfg.model.vocab_size, 1
-    )
-
-    def write_steps() -> None:
-        """Write the buffered step records (once per round: no per-step file write)."""
-        for step_, loss_, lr_ in step_records:
-            log.write({"kind": "step", "step": step_, "loss/train": loss_, "lr": lr_})
-        step_records.clear()
-
-    def emit_rounds(everything: bool = False) -> None:
-        """Write the pending round records whose means are in: under the fault-tolerant
-        runtime those all members have posted (a straggler never holds a worker back), else
-        all but the newest (waiting for round t's means once round t + 1 runs). `everything`
-        waits for all of them (a checkpoint, the end)."""
-        while pending:
-            ready = getattr(pending[0][1], "ready", None)
-            if not everything and not (ready() if ready else len(pending) > 1):
-                return
-            emit_round(*pending.popleft())
-
-    def emit_round(record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
-        """Complete a round record with the workers' means and write it."""
-        mean = means()
-        compute, blocking = mean[1], mean[2]
-        record.update(
-            {
-                "loss/train": mean[0],
-                "time/compute_s": compute,
-                "time/blocking_s": blocking,
-                "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
-                "comm/bytes_sent": int(mean[3]),
-                "comm/bytes_received": int(mean[4]),
-            }
-        )
-        if mean[7] > 0:  # a reporting worker's meter gave no reading: no total, never a zero
-            if not record["energy/label"].startswith("unavailable"):
-                record["energy/label"] = f"unavailable: {int(round(mean[7] * M))} worker meter(s)"
-        else:
-            record["energy/joules"] = mean[6] * M  # the sum over reporting workers
-        if has_val:
-            record["loss/val"] = mean[5]
-            if bar is not None:
-                bar.set_postfix(val=f"{mean[5]:.3f}")
-        log.write(record)
-        log.flush()
-
-    while step < r.steps:
-        # ---- one inner step (compute), with the gradient sync of DDP counted as blocking
-        t0 = time.perf_counter()
-        blocked0 = comm.stats.blocking_s
-        strategy.before_step(step)
-        x, y = (t.to(device, non_blocking=True) for t in sampler.batch(step))
-        _, loss = model(x, y)
-        loss_value = loss.item()  # the step's one host sync (on a GPU: before backward starts)
-        if not math.isfinite(loss_value):
-            write_steps()
-            raise FloatingPointError(
-                f"[worker {rank} step {step}] non-finite loss {loss_value}; stopping before the "
-                "update (lower optim.lr or raise optim.warmup_steps)"
-            )
-        if forge:
-            # FORGE updates every weight inside backward (two passes for exact clipping when
-            # optim.grad_clip > 0); no gradient exists afterwards, so nothing to sync or clip.
-            inner.backward(loss)
-        else:
-            loss.backward()
-            strategy.sync_grads()
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        lr = inner.param_groups[0]["lr"]
-        inner.step()
-        schedule.step()
-        inner.zero_grad(set_to_none=True)
-        step += 1
-        if ft is not None:  # an injected straggler computes `factor` times slower, counted here
-            ft.on_step(step, time.perf_counter() - t0 - (comm.stats.blocking_s - blocked0))
-        round_compute += time.perf_counter() - t0 - (comm.stats.blocking_s - blocked0)
-        round_loss_sum += loss_value
-        round_steps += 1
-        if log.enabled:  # step records are written at the round boundary, not per step
-            step_records.append((step, loss_value, lr))
-        if bar is not None:
-            bar.update(1)
-
-        # ---- outer round (blocking communication is accounted inside the comm)
-        if not strategy.after_step(step) and step < r.steps:
-            continue
-        round_idx += 1
-        write_steps()
-        due_eval = r.eval_every and (step // r.eval_every > (step - round_steps) // r.eval_every)
-        record = {
-            "kind": "round",
-            "round": round_idx,
-            "step": step,
-            "strategy": cfg.outer.strategy,
-            "workers": M,
-            "clock": "measured",
-            "tokens": step * tokens_per_step * M,
-            "lr": lr,
-            "time/wall_s": time.perf_counter() - t_start,
-            "flops/train": flops_per_token * round_steps * tokens_per_step * M,
-            "flops/label": "estimated (analytic)",
-        }
-        val_loss = None
-        if due_eval or step == r.steps:
-            # Evaluation rounds synchronize (the diagnostics need every worker's parameters);
-            # their time is reported apart and is neither compute nor algorithm blocking.
-            t_eval = time.perf_counter()
-            val_loss = evaluate(model, val_batches)
-            if M > 1:
-                record.update(disagreement(model, comm, val_batches[0][0]))
-            record["time/eval_s"] = time.perf_counter() - t_eval
-        reading = meter.stop()  # this round's window: steps, eval and the outer step
-        meter.start()
-        record["energy/label"] = reading.label
-        delta = comm.stats.minus(stats_at_round_start)
-        means = comm.metric_mean_async(
-            [
-                round_loss_sum / round_steps,
-                round_compute,
-                delta.blocking_s,
-                delta.bytes_sent,
-                delta.bytes_received,
-                val_loss if val_loss is not None else 0.0,
-                (reading.joules or 0.0) if meter_counts else 0.0,
-                float(meter_counts and reading.joules is None),
-            ]
-        )
-        # Scalars of round t are logged once round t + 1 has started (or at a checkpoint or the
-        # end), so logging never makes a worker wait for the others.
-        if ft is not None and is_main:
-            record.update(ft.round_fields())
-        pending.append((record, means, val_loss is not None))
-        emit_rounds()
-        round_compute, round_loss_sum, round_steps = 0.0, 0.0, 0
-        stats_at_round_start = comm.stats.copy()
-
-        last = step >= r.steps or (stop_round is not None and round_idx >= stop_round)
-        if last or (r.checkpoint_every and round_idx % r.checkpoint_every == 0):
-            emit_rounds(everything=True)
-            checkpoint.save_worker(run_dir, round_idx, rank, worker_state())
-            # COMPLETE goes next to the files of each machine's workers (local rank 0 under
-            # torchrun, so a machine without a shared file system can resume too).
-            writer = local_rank == 0 if ft is None else rank == ft.members[0]
-            if ft is not None and writer:
-                # A worker that is down gets a stand-in: the state it would take on rejoining.
-                for absent in sorted(set(range(M)) - set(ft.members)):
-                    checkpoint.save_worker(run_dir, round_idx, absent, worker_state())
-            comm.barrier()
-            if writer:
-                checkpoint.mark_complete(run_dir, round_idx, step, cfg)
-        if ft is not None:
-            ft.on_round_end(round_idx, worker_state)
-            for rec in ft.drain_events():
-                log.write(rec)
-        if stop_round is not None and round_idx >= stop_round:
-            break
-
-    emit_rounds(everything=True)
-    if bar is not None:
-        bar.close()
-    log.close()
-    return WorkerResult(step=step, round=round_idx, val_loss=val_loss, model=model)
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)

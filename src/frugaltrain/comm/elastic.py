@@ -1,7 +1,7 @@
 """`ElasticComm`: the torch.distributed runtime with membership epochs, deadlines and rejoin.
 
 Engine: torch elastic's rendezvous (`DynamicRendezvousHandler`, c10d backend, on the TCPStore
-the launcher hosts) decides who is in each membership epoch (ft/rendezvous.py); each epoch gets
+the launcher hosts) decides who is in each membership epoch (comm/rendezvous.py); each epoch gets
 a fresh gloo process group over the store of its rendezvous round. docs/fault_tolerance.md
 explains why this and not torchft.
 
@@ -61,8 +61,8 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
-from frugaltrain.ft.inject import Injector, fire
-from frugaltrain.ft.rendezvous import Membership, Round
+from frugaltrain.comm.rendezvous import Membership, Round
+from frugaltrain.faults import Injector, fire
 
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
 _HB_PERIOD_S = 0.2
@@ -112,7 +112,7 @@ class ElasticComm(Comm):
         world_size: configured number of workers.
         timeout_s: deadline of every wait (run.timeout_s), seconds.
         mix1_deadline_s: longest wait for missing Mix1 messages at a round end (see above).
-        injector: faults to apply to this worker (ft.inject).
+        injector: faults to apply to this worker (frugaltrain.faults).
         host, port: where the store listens (the heartbeat thread opens its own client).
     """
 
@@ -584,7 +584,11 @@ class ElasticComm(Comm):
     def barrier(self) -> None:
         self._wait(self._post("sum", [torch.zeros(1)]))
 
-    # ---- hooks the training loop calls (train/loop.py)
+    def writes_markers(self, local_rank: int) -> bool:
+        """The lowest live member (local launches only: one machine)."""
+        return self.rank == self.members[0]
+
+    # ---- hooks the training loop calls (comm.base.Comm, train/loop.py)
     def on_step(self, step: int, compute_s: float) -> None:
         """After each inner step: injected straggling, kill or hang."""
         if self.injector is None:

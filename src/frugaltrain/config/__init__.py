@@ -1,0 +1,58 @@
+"""Configs: keyword-only dataclasses loaded from TOML plus `--set` (base.py), and the training
+config (training.py). FlowTrain (flow/config.py) and the simulator (sim/config.py) build theirs
+on the same base."""
+
+from frugaltrain.config.base import (
+    ConfigError,
+    Section,
+    add_set_flag,
+    build_config,
+    load,
+    read_toml,
+    require,
+    to_dict,
+    to_toml,
+)
+from frugaltrain.config.training import (
+    CODECS,
+    FGD_PRESETS,
+    INNER_OPTIMIZERS,
+    OUTER_KEYS,
+    TOPOLOGIES,
+    Config,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    OuterSection,
+    RunSection,
+)
+
+
+def load_config(path=None, overrides: list[str] | None = None) -> Config:
+    """Load a training `Config` from an optional TOML file and `--set` overrides."""
+    return load(Config, path, overrides)
+
+
+__all__ = [
+    "CODECS",
+    "FGD_PRESETS",
+    "INNER_OPTIMIZERS",
+    "OUTER_KEYS",
+    "TOPOLOGIES",
+    "Config",
+    "ConfigError",
+    "DataSection",
+    "ModelSection",
+    "OptimSection",
+    "OuterSection",
+    "RunSection",
+    "Section",
+    "add_set_flag",
+    "build_config",
+    "load",
+    "load_config",
+    "read_toml",
+    "require",
+    "to_dict",
+    "to_toml",
+]

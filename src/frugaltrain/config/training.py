@@ -1,0 +1,350 @@
+"""The training config: five sections (`[run] [data] [model] [optim] [outer]`), one class each.
+
+Each section checks its own fields; `Config` checks the rules that span sections (outer.H
+against run.steps, FORGE with ddp, Streaming's fragments against the model's blocks). The
+vocabulary of names the config accepts lives here too (strategies and the keys each reads,
+codecs, topologies, fgd presets); the code that implements each name lives above (outer/, comm/)
+and takes its list of names from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import frugaltrain.faults as faults
+from frugaltrain.config.base import ConfigError, Section, require
+
+# The [outer] keys each strategy reads: the names `outer.strategy` accepts (outer.STRATEGIES
+# maps them to classes, whose constructors take these keys), and the keys warned about when set
+# for a strategy that ignores them.
+OUTER_KEYS = {
+    "ddp": ("strategy", "H"),
+    "diloco": ("strategy", "H", "lr", "momentum", "nesterov"),
+    "fgd": (
+        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "preset"),
+        *("mix1", "mix2", "mix2_params", "momentum_policy"),
+    ),
+    "noloco": ("strategy", "H", "lr", "momentum", "codec", "group_size", "consensus_pull"),
+    "streaming": (
+        *("strategy", "H", "lr", "momentum", "nesterov", "codec"),
+        *("fragments", "overlap", "merge_alpha"),
+    ),
+}
+INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
+TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
+CODECS = ("fp32", "bf16", "int8", "e3m0")  # encoded in comm/compress.py
+FGD_PRESETS = {
+    "GlobalM1": {"mix1": "complete", "mix2": "none", "mix2_params": "all"},
+    "GlobalM1LocalM2": {"mix1": "complete", "mix2": "pairs", "mix2_params": "all"},
+}
+
+
+@dataclass(kw_only=True)
+class RunSection(Section):
+    section = "run"
+    name: str = "run"
+    """Run name; the run directory is `out_dir/name` (a numeric suffix is added if it exists)."""
+    out_dir: str = "runs"
+    """Parent directory of run directories."""
+    workers: int = 1
+    """Number of worker processes (each a full model replica)."""
+    seed: int = 0
+    """Seed for model init, data order and everything random."""
+    steps: int = 200
+    """Inner steps per worker (optimizer steps)."""
+    eval_every: int = 50
+    """Evaluate validation loss every this many inner steps (0: only at the end)."""
+    eval_batches: int = 8
+    """Number of fixed validation batches per evaluation."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many outer rounds (0: only at the end)."""
+    stop_at_round: int = 0
+    """Stop (with a checkpoint) after this outer round; 0 runs to the end (resume tests, demos)."""
+    threads: int = 0
+    """torch threads per worker (0: cores / workers, at least 1)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on GPU, gloo on CPU), gloo or nccl."""
+    device: str = "cpu"
+    """cpu or cuda (worker i uses cuda:i modulo the visible devices)."""
+    timeout_s: float = 300.0
+    """Timeout of every collective, in seconds."""
+    deterministic_comm: bool = False
+    """Reduce all-reduces as gather + fp64 sum in rank order (bit-identical to the simulator and
+    order-independent) instead of the native ring all-reduce; costs (M-1) S instead of
+    2 (M-1)/M S bytes per worker."""
+    progress: bool = True
+    """Show a progress bar on worker 0."""
+    fault_tolerance: bool = False
+    """Membership epochs, deadlines and rejoin (comm/elastic.py): workers that die or stop
+    answering for run.timeout_s are dropped, restarted ones rejoin from a live peer; local
+    launches only. See docs/fault_tolerance.md."""
+    mix1_deadline_s: float = 10.0
+    """Fault-tolerant runtime: the longest a worker waits at a round end for Mix1 messages still
+    missing (a straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and
+    the row renormalized, so Mix1 never waits on a straggler beyond this."""
+    inject: str = ""
+    """Faults to inject (needs fault_tolerance), ';'-separated: 'kill:worker=2,round=5',
+    'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5', 'slow:worker=1,factor=3',
+    'drop:p=0.1' (see frugaltrain.faults)."""
+
+    def check(self) -> None:
+        for name in ("workers", "steps", "eval_batches"):
+            self.at_least(name, 1)
+        self.at_least("eval_every", 0, "0: end only")
+        self.one_of("backend", ("auto", "gloo", "nccl"))
+        self.one_of("device", ("cpu", "cuda"))
+        self.positive("timeout_s")
+        self.positive("mix1_deadline_s")
+        self.require(
+            not self.inject or self.fault_tolerance,
+            "inject",
+            "faults are injected by the fault-tolerant runtime; set run.fault_tolerance = true",
+        )
+        try:
+            faults.parse(self.inject)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass(kw_only=True)
+class DataSection(Section):
+    section = "data"
+    path: str = ""
+    """Text file or directory of text files; empty uses the Python standard library's sources."""
+    max_bytes: int = 4_000_000
+    """Read at most this many bytes of the corpus (0: no limit)."""
+    val_fraction: float = 0.05
+    """Fraction of documents (files) held out for validation, chosen by a hash of their path."""
+    sharding: str = "iid"
+    """iid (each shard interleaves 4 KiB chunks of the stream) or noniid (contiguous slices)."""
+    num_shards: int = 0
+    """Number of data shards (0: one per worker). Worker i reads shards i, i+workers, ..."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 16
+    """Sequences per inner step per worker."""
+
+    def check(self) -> None:
+        self.one_of("sharding", ("iid", "noniid"))
+        self.require(0 < self.val_fraction < 1, "val_fraction", "must be strictly between 0 and 1")
+        self.at_least("seq_len", 2)
+        self.at_least("batch_size", 1)
+        self.at_least("max_bytes", 0, "0: no limit")
+        self.at_least("num_shards", 0, "0: one per worker")
+
+
+@dataclass(kw_only=True)
+class ModelSection(Section):
+    section = "model"
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads (must divide n_embd)."""
+    n_embd: int = 128
+    """Model width."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for byte-level tokens."""
+    dropout: float = 0.0
+    """Dropout probability."""
+    bias: bool = False
+    """Bias in Linear and LayerNorm layers."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the LM head (off: embedding and head are separate tensors)."""
+
+    def check(self) -> None:
+        self.at_least("n_layer", 1)
+        self.at_least("n_head", 1)
+        self.require(
+            self.n_embd % self.n_head == 0, "n_head", f"must divide model.n_embd = {self.n_embd}"
+        )
+        self.at_least("vocab_size", 2)
+        self.require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class OptimSection(Section):
+    section = "optim"
+    name: str = "adamw"
+    """Inner optimizer: adamw (torch.optim.AdamW), or FORGE's optimizer-in-backward (no weight
+    gradient is ever materialized; docs/forge.md): forge-adamw, forge-sgd (momentum betas[0]) or
+    forge-lion."""
+    lr: float = 3e-3
+    """Peak inner learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (applied to matrices and embeddings, not to norms and biases)."""
+    warmup_steps: int = 20
+    """Linear warmup, in inner steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at the last step."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this value (0: off)."""
+
+    def check(self) -> None:
+        self.one_of("name", INNER_OPTIMIZERS)
+        self.positive("lr")
+        self.require(all(0 <= b < 1 for b in self.betas), "betas", "each must be in [0, 1)")
+        self.at_least("warmup_steps", 0)
+        self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        self.at_least("grad_clip", 0, "0: off")
+
+
+@dataclass(kw_only=True)
+class OuterSection(Section):
+    section = "outer"
+    strategy: str = "diloco"
+    """Outer strategy: ddp, diloco, fgd (Factored Gossip DiLoCo), noloco or streaming."""
+    H: int = 50
+    """Inner steps per outer round (for ddp: steps per logged round)."""
+    lr: float = 0.7
+    """Outer learning rate (gamma)."""
+    momentum: float = 0.9
+    """Outer momentum (mu); 0 gives plain outer SGD."""
+    nesterov: bool = True
+    """Nesterov outer momentum (ignored when momentum is 0)."""
+    codec: str = "fp32"
+    """Encoding of everything the outer step sends: fp32, bf16, int8 or e3m0 (4-bit)."""
+    preset: str = ""
+    """fgd only: a named variant that sets mix1/mix2/mix2_params: GlobalM1 (complete / none) or
+    GlobalM1LocalM2 (complete / pairs on all tensors). Empty: use the keys as given."""
+    mix1: str = "complete"
+    """fgd: topology of the non-blocking parameter mix (complete, ring, pairs, exponential,
+    none)."""
+    mix2: str = "none"
+    """fgd: topology of the blocking pseudo-gradient mix."""
+    mix2_params: str = "all"
+    """fgd: tensors Mix2 covers: all, none, or '+'-joined parts among embed, head, blocks:K (the
+    first K blocks) and fnmatch patterns of parameter names, e.g. embed+head+blocks:2."""
+    momentum_policy: str = "local"
+    """fgd: local (each worker keeps its outer momentum) or mixed (Mix1 also mixes it: the
+    paper's GlobalM1S, reported to spike)."""
+    group_size: int = 2
+    """noloco: workers per random group each round."""
+    consensus_pull: float = 0.7
+    """noloco: gamma, the pull towards the group's mean parameters (public code: = outer lr)."""
+    fragments: int = 4
+    """streaming: number of parameter fragments P (strided over blocks)."""
+    overlap: int = 1
+    """streaming: inner steps tau between sending a fragment and applying its outer step."""
+    merge_alpha: float = 0.0
+    """streaming: theta <- alpha theta + (1 - alpha) x_new for a synced fragment (0: replace)."""
+
+    def check(self) -> None:
+        self.one_of("strategy", OUTER_KEYS)
+        self.at_least("H", 1, "inner steps per outer round")
+        self.positive("lr")
+        self.require(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
+        self.one_of("codec", CODECS)
+        self.require(
+            self.preset in ("", *FGD_PRESETS),
+            "preset",
+            f"choose one of {', '.join(FGD_PRESETS)} or leave empty",
+        )
+        self.require(
+            not self.preset or self.strategy == "fgd",
+            "preset",
+            "presets name fgd variants; set outer.strategy = 'fgd' or drop the preset",
+        )
+        for key, value in FGD_PRESETS.get(self.preset, {}).items():
+            default = next(f.default for f in dataclasses.fields(self) if f.name == key)
+            self.require(
+                getattr(self, key) in (value, default),
+                key,
+                f"conflicts with outer.preset = {self.preset!r} (which sets {value!r}); drop one",
+            )
+        self.one_of("mix1", TOPOLOGIES)
+        self.one_of("mix2", TOPOLOGIES)
+        self.one_of("momentum_policy", ("local", "mixed"))
+        self.at_least("group_size", 2)
+        self.at_least("consensus_pull", 0)
+        self.require(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
+        self.at_least("fragments", 1)
+        _warn_unused_outer_keys(self)
+
+
+def _warn_unused_outer_keys(o: OuterSection) -> None:
+    """Warn about [outer] keys set away from their default that the chosen strategy never
+    reads, e.g. outer.codec with diloco (its all-reduce is fp32)."""
+    unused = [
+        f"outer.{f.name} = {getattr(o, f.name)!r}"
+        for f in dataclasses.fields(o)
+        if f.name not in OUTER_KEYS[o.strategy] and getattr(o, f.name) != f.default
+    ]
+    if unused:
+        warnings.warn(
+            f"{', '.join(unused)}: no effect with outer.strategy = {o.strategy!r}; drop it",
+            stacklevel=2,
+        )
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A training run: `frugaltrain train` (real workers) and `simulate` (virtual ones)."""
+
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    outer: OuterSection = field(default_factory=OuterSection)
+
+    def __post_init__(self) -> None:
+        r, d, m, o, opt = self.run, self.data, self.model, self.outer, self.optim
+        if d.num_shards:
+            require(
+                d.num_shards >= r.workers,
+                "data.num_shards",
+                d.num_shards,
+                f"fewer shards than run.workers = {r.workers}; set data.num_shards >= "
+                f"{r.workers} or 0 (one shard per worker)",
+            )
+        require(
+            not (opt.name.startswith("forge-") and o.strategy == "ddp" and r.workers > 1),
+            "optim.name",
+            opt.name,
+            f"FORGE updates weights inside backward, so no gradient exists for outer.strategy = "
+            f"'ddp' to all-reduce over run.workers = {r.workers}; use optim.name = 'adamw' with "
+            "ddp, or a DiLoCo-family outer strategy (diloco, fgd, noloco, streaming) with FORGE",
+        )
+        require(
+            o.H <= r.steps,
+            "outer.H",
+            o.H,
+            f"exceeds run.steps = {r.steps}, so no outer round would run; lower outer.H",
+        )
+        if o.strategy != "ddp":
+            require(
+                r.steps % o.H == 0,
+                "run.steps",
+                r.steps,
+                f"must be a multiple of outer.H = {o.H} so the run ends on an outer round; "
+                f"use run.steps = {max(o.H, r.steps // o.H * o.H)}",
+            )
+        if o.strategy == "streaming":
+            _check_streaming(o, m)
+
+
+def _check_streaming(o: OuterSection, m: ModelSection) -> None:
+    require(
+        o.fragments <= m.n_layer,
+        "outer.fragments",
+        o.fragments,
+        f"cannot exceed model.n_layer = {m.n_layer} (fragments are groups of blocks)",
+    )
+    require(
+        0 <= o.overlap < o.H // o.fragments,
+        "outer.overlap",
+        o.overlap,
+        f"must be in [0, outer.H / outer.fragments = {o.H // o.fragments}) so a fragment "
+        "is sent inside its own slot of the round",
+    )
+    require(
+        o.H % o.fragments == 0,
+        "outer.fragments",
+        o.fragments,
+        f"must divide outer.H = {o.H} so fragments fire at offsets k H / P",
+    )

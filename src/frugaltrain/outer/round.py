@@ -1,0 +1,138 @@
+"""The outer round every DiLoCo-family strategy shares, written once (research note a.1).
+
+Per round, on every worker i, with outer parameters x_i and inner parameters theta_i:
+
+    start_round()                 at the round's first step (fgd posts its non-blocking Mix1)
+    H inner steps                 the training loop moves theta_i
+    Delta_i = x_i - theta_i       the pseudo-gradient
+    exchange(Delta)               the strategy's communication: an all-reduce, a gossip mix, ...
+    x_i <- outer step with Delta  SGD with (Nesterov) momentum mu and learning rate gamma
+    theta_i <- x_i                the next round starts from the result
+
+A strategy file holds only what makes it different: its exchange, its momentum policy, and (for
+Streaming DiLoCo) its schedule. The training loop and the simulator drive every strategy through
+the same five calls: `before_step`, `sync_grads`, `after_step`, `state_dict`, `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from frugaltrain.comm import Comm
+
+
+def outer_sgd(params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool):
+    """Outer optimizer: SGD with (Nesterov) momentum; momentum 0 is plain SGD."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
+@torch.no_grad()
+def outer_step(
+    opt: torch.optim.Optimizer,
+    outer: list[torch.Tensor],
+    pseudo_grads: list[torch.Tensor],
+    inner: list[torch.Tensor],
+    merge_alpha: float = 0.0,
+) -> None:
+    """One outer step: feed the pseudo-gradients to `opt` as gradients of the outer parameters,
+    step, then restart the inner parameters from the result (theta <- alpha theta + (1-alpha) x;
+    alpha = 0 copies, bit for bit). Outer parameters outside `outer` have no gradient, so `opt`
+    leaves them and their momentum alone."""
+    for x, g in zip(outer, pseudo_grads, strict=True):
+        x.grad = g
+    opt.step()
+    for x, theta in zip(outer, inner, strict=True):
+        x.grad = None
+        if merge_alpha:
+            theta.mul_(merge_alpha).add_(x, alpha=1 - merge_alpha)
+        else:
+            theta.copy_(x)
+
+
+@torch.no_grad()
+def copy_all_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+class OuterRound:
+    """The shared round of the DiLoCo family; subclasses implement `exchange`.
+
+    Args:
+        model: this worker's replica; its trainable parameters are theta_i.
+        comm: communication endpoint.
+        H: inner steps per outer round.
+        lr: outer learning rate gamma.
+        momentum: outer momentum mu.
+        nesterov: Nesterov look-ahead.
+        seed: seeds what a strategy draws at random (topologies, groups); the same everywhere.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        *,
+        H: int,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        seed: int = 0,
+    ) -> None:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.comm = comm
+        self.H = H
+        self.seed = seed
+        self.round = 0
+        self.outer = [p.detach().clone() for p in self.params]  # x_i
+        self.opt = outer_sgd(self.outer, lr, momentum, nesterov)
+
+    # ---- what a strategy overrides
+    def start_round(self) -> None:
+        """At the first inner step of a round."""
+
+    def exchange(self, deltas: list[torch.Tensor]) -> None:
+        """Turn this worker's pseudo-gradients into the ones it steps with (in place); may also
+        replace the outer parameters (gossip)."""
+        raise NotImplementedError
+
+    # ---- the round, driven by the training loop
+    def before_step(self, step: int) -> None:
+        """Before inner step `step` + 1."""
+        if step % self.H == 0:
+            self.start_round()
+
+    def sync_grads(self) -> None:
+        """After backward, before the inner optimizer step: nothing in the DiLoCo family."""
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> bool:
+        """After `step` inner steps; runs the outer round every H and returns True then."""
+        if step % self.H:
+            return False
+        deltas = [x - theta for x, theta in zip(self.outer, self.params, strict=True)]
+        self.exchange(deltas)
+        outer_step(self.opt, self.outer, deltas, self.params)
+        self.round += 1
+        return True
+
+    def momenta(self) -> list[torch.Tensor] | None:
+        """The outer momentum buffers m_i, or None before the first outer step."""
+        bufs = [self.opt.state.get(x, {}).get("momentum_buffer") for x in self.outer]
+        return None if any(b is None for b in bufs) else bufs
+
+    def state_dict(self) -> dict:
+        """Outer parameters, outer optimizer and round counter (taken at a round end)."""
+        return {
+            "outer": [x.clone() for x in self.outer],
+            "opt": self.opt.state_dict(),
+            "round": self.round,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        copy_all_(self.outer, state["outer"])
+        self.opt.load_state_dict(state["opt"])
+        self.round = state["round"]

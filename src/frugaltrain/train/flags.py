@@ -1,0 +1,64 @@
+"""The flags of `frugaltrain train`: --config, --set, and shortcuts for the common keys.
+
+Every shortcut is a `--set section.key=value` in disguise; `overrides(args)` turns the parsed
+flags into that list, so the config loader sees one kind of override.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from frugaltrain.config import add_set_flag
+
+TRAIN_HELP = "train with an outer strategy on N local workers or torchrun"
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `frugaltrain train` (and `frugaltrain netlab run`)."""
+    p.add_argument("--config", help="TOML config file (see examples/)")
+    add_set_flag(p)
+    p.add_argument("--workers", type=int, help="shortcut for --set run.workers=N")
+    p.add_argument("--outer", help="shortcut for --set outer.strategy=NAME")
+    p.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
+    p.add_argument("-H", type=int, dest="H", help="shortcut for --set outer.H=N")
+    p.add_argument("--preset", help="fgd variant: GlobalM1 or GlobalM1LocalM2 (outer.preset)")
+    p.add_argument("--mix1", help="fgd Mix1 topology (outer.mix1)")
+    p.add_argument("--mix2", help="fgd Mix2 topology (outer.mix2)")
+    p.add_argument("--mix2-params", help="fgd Mix2 tensors, e.g. embed+head+blocks:2")
+    p.add_argument("--momentum-policy", help="fgd outer momentum: local or mixed")
+    p.add_argument("--codec", help="outer traffic encoding: fp32, bf16, int8, e3m0")
+    p.add_argument(
+        "--inner-optimizer",
+        help="shortcut for --set optim.name=NAME: adamw, forge-adamw, forge-sgd or forge-lion",
+    )
+    p.add_argument("--name", help="shortcut for --set run.name=NAME")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument(
+        "--inject",
+        help="faults, e.g. 'kill:worker=2,round=5'; turns on run.fault_tolerance (run.inject)",
+    )
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` overrides of the shortcut flags, then the explicit `--set`s (which win)."""
+    sets = []
+    for flag, key in (
+        ("workers", "run.workers"),
+        ("outer", "outer.strategy"),
+        ("steps", "run.steps"),
+        ("name", "run.name"),
+        ("H", "outer.H"),
+        ("preset", "outer.preset"),
+        ("mix1", "outer.mix1"),
+        ("mix2", "outer.mix2"),
+        ("mix2_params", "outer.mix2_params"),
+        ("momentum_policy", "outer.momentum_policy"),
+        ("codec", "outer.codec"),
+        ("inner_optimizer", "optim.name"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            sets.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if getattr(args, "inject", None):
+        sets += ["run.fault_tolerance=true", f"run.inject={args.inject!r}"]
+    return sets + list(args.set)

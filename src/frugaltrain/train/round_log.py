@@ -1,0 +1,90 @@
+"""Worker 0's metrics log of a run: step records, round records completed with every worker's
+means, membership events, and the progress bar.
+
+A round's record needs the workers' means of a few scalars (loss, compute and blocking seconds,
+bytes, energy). They are posted without waiting (`Comm.metric_mean_async`) and the record is
+written once they are in: under the fault-tolerant runtime once every member has posted (a
+straggler never holds a worker back), else once the next round has started. A checkpoint or the
+end waits for all of them. Every worker keeps a RoundLog; only worker 0's writes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from frugaltrain.metrics.log import MetricsLog
+
+# The per-round scalars every worker posts, in this order.
+SCALARS = ("loss", "compute_s", "blocking_s", "sent", "received", "val", "joules", "no_meter")
+
+
+class RoundLog:
+    def __init__(self, path: Path, *, enabled: bool, resumed_at: int | None, workers: int, bar):
+        self.log = MetricsLog(path, enabled=enabled, truncate_after_step=resumed_at)
+        self.workers = workers
+        self.bar = bar
+        self._steps: list[tuple[int, float, float]] = []
+        self._pending: deque[tuple[dict, Callable[[], list[float]], bool]] = deque()
+
+    def step(self, step: int, loss: float, lr: float) -> None:
+        """Buffer a step record (written at the round end: no per-step file write)."""
+        if self.log.enabled:
+            self._steps.append((step, loss, lr))
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def write_steps(self) -> None:
+        for step, loss, lr in self._steps:
+            self.log.write({"kind": "step", "step": step, "loss/train": loss, "lr": lr})
+        self._steps.clear()
+
+    def round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
+        """Queue a round record; `means()` gives the workers' means of SCALARS."""
+        self._pending.append((record, means, has_val))
+        self.flush()
+
+    def flush(self, everything: bool = False) -> None:
+        """Write the queued round records whose means are in (`everything`: all of them)."""
+        while self._pending:
+            ready = getattr(self._pending[0][1], "ready", None)
+            if not everything and not (ready() if ready else len(self._pending) > 1):
+                return
+            self._write_round(*self._pending.popleft())
+
+    def events(self, records: list[dict]) -> None:
+        for rec in records:
+            self.log.write(rec)
+
+    def close(self) -> None:
+        self.flush(everything=True)
+        if self.bar is not None:
+            self.bar.close()
+        self.log.close()
+
+    def _write_round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
+        mean = dict(zip(SCALARS, means(), strict=True))
+        compute, blocking = mean["compute_s"], mean["blocking_s"]
+        record.update(
+            {
+                "loss/train": mean["loss"],
+                "time/compute_s": compute,
+                "time/blocking_s": blocking,
+                "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
+                "comm/bytes_sent": int(mean["sent"]),
+                "comm/bytes_received": int(mean["received"]),
+            }
+        )
+        if mean["no_meter"] > 0:  # a reporting worker's meter gave no reading: no total, no zero
+            if not record["energy/label"].startswith("unavailable"):
+                missing = int(round(mean["no_meter"] * self.workers))
+                record["energy/label"] = f"unavailable: {missing} worker meter(s)"
+        else:
+            record["energy/joules"] = mean["joules"] * self.workers  # the reporting workers' sum
+        if has_val:
+            record["loss/val"] = mean["val"]
+            if self.bar is not None:
+                self.bar.set_postfix(val=f"{mean['val']:.3f}")
+        self.log.write(record)
+        self.log.flush()

@@ -1,0 +1,84 @@
+"""The layering of docs/architecture.md, checked on the source: every import of a frugaltrain
+module (static or through importlib) points down the picture, and no function outside the
+Triton kernel is longer than 80 lines."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "frugaltrain"
+
+# Lower numbers sit lower. A module may import its own part and anything strictly lower; parts on
+# one level are independent of each other.
+LEVEL = {
+    "faults": 0,  # the grammar of run.inject, which the config checks
+    "config": 1,
+    "data": 2,
+    "models": 2,
+    "forge": 2,
+    "energy": 2,
+    "metrics": 3,
+    "optim": 3,
+    "comm": 4,
+    "outer": 5,
+    "train": 6,
+    "sim": 6,
+    "flow": 6,
+    "netlab": 7,
+    "cli": 8,
+    "__main__": 9,
+    "__init__": 9,
+}
+KERNELS = {"forge/triton_kernel.py:_fused_wgrad_kernel"}  # launch arguments one per line
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    """frugaltrain parts named by imports and by importlib strings in a module."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names += re.findall(r"^frugaltrain(?:\.\w+)+$", node.value)
+    parts = []
+    for name in names:
+        bits = name.split(".")
+        if bits[0] == "frugaltrain" and len(bits) > 1:
+            parts.append(bits[1])
+    return parts
+
+
+def test_every_import_points_down():
+    upward = []
+    for path in SRC.rglob("*.py"):
+        me = _part(path)
+        for other in _imports(ast.parse(path.read_text())):
+            if other != me and LEVEL[other] >= LEVEL[me]:
+                upward.append(f"{path.relative_to(SRC)} imports frugaltrain.{other}")
+    assert not upward, "\n".join(sorted(set(upward)))
+
+
+def test_every_part_has_a_level():
+    parts = {_part(p) for p in SRC.rglob("*.py")}
+    assert parts <= set(LEVEL), sorted(parts - set(LEVEL))
+
+
+def test_no_function_longer_than_80_lines():
+    long = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{path.relative_to(SRC)}:{node.name}"
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80 and name not in KERNELS:
+                    long.append(f"{name} ({lines} lines)")
+    assert not long, long
