@@ -10,16 +10,23 @@ $(PY):
 	$(PIP) install $(TORCH)
 
 $(VENV)/.installed: $(PY) pyproject.toml
-	$(PIP) install -e .
+	$(PIP) install -e '.[hf]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) install -e '.[test]'
 	touch $@
 
+# The default job's data: a BPE tokenizer and token shards of the standard library's sources,
+# made once and cached.
+DATA   := runs/data/stdlib-bpe2k
+$(DATA)/manifest.json: $(VENV)/.installed
+	$(VENV)/bin/frugaltrain data tokenizer --vocab-size 2048 --max-bytes 4000000 --out $(DATA)-tokenizer --force
+	$(VENV)/bin/frugaltrain data prepare --tokenizer $(DATA)-tokenizer --max-bytes 4000000 --out $(DATA) --force
+
 .PHONY: run test lint format clean
-run: $(VENV)/.installed
-	$(VENV)/bin/frugaltrain train --config examples/default.toml
+run: $(DATA)/manifest.json
+	$(VENV)/bin/frugaltrain train --config examples/default.toml --baseline diloco
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -11,6 +11,11 @@ of the medians (target: frugaltrain / plain <= 1.05). All times measured wall cl
 average before and after is recorded.
 
     python benchmarks/overhead.py [--steps 40] [--reps 5]
+    python benchmarks/overhead.py --model llama --data runs/data/stdlib-bpe4k   # transformers
+
+With --model llama the model is a transformers Llama (4 blocks of width 256, grouped-query
+attention) and the plain loop calls it the way a transformers user would
+(`model(input_ids=x).logits`, cross-entropy), on byte tokens or on token shards (--data).
 """
 
 from __future__ import annotations
@@ -47,9 +52,14 @@ def plain_loop(cfg: Config) -> float:
     model = build_model(cfg)
     opt = build_inner_optimizer(model, cfg.optim)
     sched = build_schedule(opt, cfg.optim, cfg.run.steps)
+    hf = getattr(model, "hf", None)  # a transformers model: called as its users call it
     for step in range(cfg.run.steps):
         x, y = sampler.batch(step)
-        _, loss = model(x, y)
+        if hf is None:
+            _, loss = model(x, y)
+        else:
+            logits = hf(input_ids=x, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
@@ -68,11 +78,20 @@ def frugaltrain_loop(cfg: Config, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _config(steps: int) -> Config:
+def _config(steps: int, model: str, data: str) -> Config:
+    family = [] if model == "gpt" else ["model.family='llama'", "model.n_kv_head=2"]
+    vocab = []
+    if data:
+        from frugaltrain.data.corpus import load_corpus
+
+        vocab = [f"model.vocab_size={load_corpus(data).vocab_size}"]
     return build_config(
         Config,
         {},
         [
+            *family,
+            *vocab,
+            f"data.path={data!r}",
             f"run.steps={steps}",
             "outer.H=20",
             "run.eval_every=0",
@@ -92,10 +111,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40, help="S: each variant runs S and 2S steps")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/overhead.json")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    ap.add_argument("--data", default="", help="token shard directory (default: byte tokens)")
+    ap.add_argument("--out", help="default benchmarks/results/overhead[_llama].json")
     args = ap.parse_args()
+    out = args.out or f"benchmarks/results/overhead{'' if args.model == 'gpt' else '_llama'}.json"
     torch.set_num_threads(2)
-    short, long = _config(args.steps), _config(2 * args.steps)
+    short = _config(args.steps, args.model, args.data)
+    long = _config(2 * args.steps, args.model, args.data)
     load_before = os.getloadavg()
     plain, ours = [], []  # marginal seconds per step, one per repetition
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,6 +152,8 @@ def main() -> None:
     print(f"load average 1/5/15 min: before {load_before}, after {load_after}")
     result = {
         "clock": "measured",
+        "model": args.model,
+        "data": args.data or "byte tokens of the standard library",
         "method": "marginal step time: (T(2S) - T(S)) / S per variant, alternating",
         "steps_S": args.steps,
         "reps": args.reps,
@@ -142,9 +167,9 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ LEVEL = {
     "train": 6,
     "sim": 6,
     "flow": 6,
+    "outer_loop": 6,  # the library entry (frugaltrain.wrap): outer, comm, config and lower
     "netlab": 7,
     "cli": 8,
     "__main__": 9,

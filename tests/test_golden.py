@@ -13,19 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_pool import train_in_gloo_pool
 
-from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.config import to_toml
 from frugaltrain.sim import SimSection, simulate
 from frugaltrain.train import launch
-from frugaltrain.train.loop import train_worker
 
 GOLDEN = Path(__file__).parent / "golden" / "final_params.json"
 REGEN = os.environ.get("FRUGALTRAIN_REGEN_GOLDEN") == "1"
@@ -54,28 +50,6 @@ def _digest(models_params: list[list[torch.Tensor]]) -> dict:
     return {"sha256": h.hexdigest(), "norms": norms}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank, port, jobs, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        results = {}
-        for name, cfg, run_dir in jobs:
-            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
-            model = train_worker(cfg, comm, Path(run_dir)).model
-            results[name] = [p.detach().clone() for p in model.parameters()]
-            dist.barrier()
-        out[rank] = results
-    finally:
-        dist.destroy_process_group()
-
-
 def _checkpoint_params(run_dir: Path, workers: int) -> list[list[torch.Tensor]]:
     last = sorted((run_dir / "checkpoints").glob("round_*"))[-1]
     states = [torch.load(last / f"worker_{i}.pt", weights_only=False) for i in range(workers)]
@@ -93,10 +67,7 @@ def digests(config_factory, tmp_path_factory) -> dict:
         run_dir = launch.new_run_dir(cfg)
         (run_dir / "config.toml").write_text(to_toml(cfg))
         jobs.append((name, cfg, str(run_dir)))
-    real = mp.Manager().dict()
-    mp.start_processes(
-        _gloo_worker, args=(_free_port(), jobs, real), nprocs=WORLD, start_method="spawn"
-    )
+    real = train_in_gloo_pool(jobs, WORLD)
     for name in STRATEGIES:
         out[f"real/{name}"] = _digest([real[r][name] for r in range(WORLD)])
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_pool import free_port
 
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import weighted_sum
@@ -101,12 +101,6 @@ def test_weighted_sum_of_identical_inputs_is_exact():
 # ---------------------------------------------------------------- real gloo processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, cases, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -146,7 +140,7 @@ def test_gossip_on_gloo_matches_w_times_x():
     world = 4
     out = mp.Manager().dict()
     mp.start_processes(
-        _worker, args=(world, _free_port(), CASES, out), nprocs=world, start_method="spawn"
+        _worker, args=(world, free_port(), CASES, out), nprocs=world, start_method="spawn"
     )
     for c, (name, codec, _, deterministic) in enumerate(CASES):
         w = topology.mixing_matrix(name, world, round_idx=1, seed=7)

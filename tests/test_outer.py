@@ -4,13 +4,13 @@ they promise, on one worker and on real 4-process gloo runs."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_pool import free_port
 
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
@@ -74,12 +74,6 @@ def test_param_subsets_and_fragments(make_config):
 
 
 # ---------------------------------------------------------------- real gloo workers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gloo_worker(rank, port, jobs, out):
@@ -192,7 +186,7 @@ def gloo_runs(config_factory, tmp_path_factory) -> dict:
     jobs = _cases(config_factory, tmp_path_factory.mktemp("outer"))
     out = mp.Manager().dict()
     mp.start_processes(
-        _gloo_worker, args=(_free_port(), jobs, out), nprocs=WORLD, start_method="spawn"
+        _gloo_worker, args=(free_port(), jobs, out), nprocs=WORLD, start_method="spawn"
     )
     return dict(out)
 

@@ -3,6 +3,7 @@
     frugaltrain train --config examples/default.toml --workers 4 --set outer.H=50
     frugaltrain train --resume runs/default          # continue from the latest checkpoint
     frugaltrain report runs/default                  # re-render the summary table and plots
+    frugaltrain export runs/default --out my-model   # the averaged model, transformers format
     frugaltrain energy ...                           # meters, fits, predictions (energy/cli.py)
     frugaltrain flow ...                             # FlowTrain vision-language (flow/cli.py)
     frugaltrain simulate CONFIG --set sim.ratio=0.887  # virtual workers, simulated clock
@@ -23,6 +24,7 @@ from frugaltrain.train.flags import TRAIN_HELP, add_train_flags, overrides
 
 # Subcommands whose parser lives in the subsystem's own cli module.
 SUBSYSTEM_COMMANDS = {
+    "data": "frugaltrain.data.cli",
     "energy": "frugaltrain.energy.cli",
     "flow": "frugaltrain.flow.cli",
     "netlab": "frugaltrain.netlab.cli",
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     add_train_flags(sub.add_parser("train", help=TRAIN_HELP))
     p = sub.add_parser("report", help="re-render the summary table and plots of a run")
     p.add_argument("run_dir")
+    p = sub.add_parser("export", help="a run's final averaged model in the transformers format")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="directory for the model and its tokenizer")
     for name in SUBSYSTEM_COMMANDS:
         sub.add_parser(name, help=f"{name} subsystem (see `frugaltrain {name} --help`)")
     args = parser.parse_args(argv)
@@ -50,11 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from frugaltrain.train.launch import train_from_cli
 
-            return train_from_cli(args.config, overrides(args), args.resume)
+            return train_from_cli(args.config, overrides(args), args.resume, args.baseline)
         if args.command == "report":
             from frugaltrain.metrics.report import report
 
             report(args.run_dir)
+            return 0
+        if args.command == "export":
+            from frugaltrain.train.export import export
+
+            print(f"wrote {export(args.run_dir, args.out)} (load it with AutoModelForCausalLM)")
             return 0
     except ConfigError as e:
         print(f"frugaltrain: error: {e}", file=sys.stderr)

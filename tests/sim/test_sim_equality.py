@@ -4,20 +4,13 @@ Gossip DiLoCo (global Mix1 through an all-reduce, pairwise Mix2 through point-to
 
 from __future__ import annotations
 
-import os
-import socket
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_pool import train_in_gloo_pool
 
-from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.config import to_toml
 from frugaltrain.sim import SimSection, simulate
 from frugaltrain.train.launch import new_run_dir
-from frugaltrain.train.loop import train_worker
 
 WORLD = 4
 CASES = {
@@ -30,28 +23,6 @@ CASES = {
         "outer.mix2_params='embed+head'",
     ),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank, port, jobs, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        results = {}
-        for name, cfg, run_dir in jobs:
-            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
-            model = train_worker(cfg, comm, Path(run_dir)).model
-            results[name] = [p.detach().clone() for p in model.parameters()]
-            dist.barrier()
-        out[rank] = results
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +42,7 @@ def runs(config_factory, tmp_path_factory):
         (run_dir / "config.toml").write_text(to_toml(cfg))
         jobs.append((name, cfg, str(run_dir)))
         sims[name] = simulate(cfg, SimSection(ratio=0.887), root / f"{name}-sim")
-    out = mp.Manager().dict()
-    mp.start_processes(
-        _gloo_worker, args=(_free_port(), jobs, out), nprocs=WORLD, start_method="spawn"
-    )
-    return dict(out), sims
+    return train_in_gloo_pool(jobs, WORLD), sims
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -33,6 +33,7 @@ OUTER_KEYS = {
     ),
 }
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
+MODEL_FAMILIES = ("gpt", "llama", "qwen2", "gpt2", "hf")  # built in models/__init__.py
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
 CODECS = ("fp32", "bf16", "int8", "e3m0")  # encoded in comm/compress.py
 FGD_PRESETS = {
@@ -68,6 +69,9 @@ class RunSection(Section):
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), gloo or nccl."""
     device: str = "cpu"
     """cpu or cuda (worker i uses cuda:i modulo the visible devices)."""
+    dtype: str = "fp32"
+    """Compute precision of the inner steps: fp32, or bf16 (autocast of forward passes, on CPU
+    and GPU); weights, inner optimizer states and all outer state stay fp32."""
     timeout_s: float = 300.0
     """Timeout of every collective, in seconds."""
     deterministic_comm: bool = False
@@ -95,6 +99,7 @@ class RunSection(Section):
         self.at_least("eval_every", 0, "0: end only")
         self.one_of("backend", ("auto", "gloo", "nccl"))
         self.one_of("device", ("cpu", "cuda"))
+        self.one_of("dtype", ("fp32", "bf16"))
         self.positive("timeout_s")
         self.positive("mix1_deadline_s")
         self.require(
@@ -138,27 +143,63 @@ class DataSection(Section):
 @dataclass(kw_only=True)
 class ModelSection(Section):
     section = "model"
+    family: str = "gpt"
+    """gpt (the built-in GPT, no dependencies), llama, qwen2 or gpt2 (a transformers model built
+    from the size keys below), or hf (a transformers model from model.config_json or
+    model.pretrained). The transformers families need the `hf` extra."""
+    pretrained: str = ""
+    """family = hf: a local transformers model directory (config.json and safetensors weights) to
+    start from; its config decides the architecture and the size keys are not read. Nothing is
+    downloaded."""
+    config_json: str = ""
+    """family = hf: a transformers config.json to build a randomly initialized model from."""
     n_layer: int = 2
     """Transformer blocks."""
     n_head: int = 4
     """Attention heads (must divide n_embd)."""
+    n_kv_head: int = 0
+    """llama, qwen2: key-value heads of grouped-query attention (must divide n_head); 0: n_head."""
     n_embd: int = 128
     """Model width."""
+    intermediate_size: int = 0
+    """MLP width of the transformers families; 0: 4 n_embd (gpt2), or 8/3 n_embd rounded up to a
+    multiple of 32 (llama, qwen2)."""
     vocab_size: int = 256
-    """Vocabulary size; 256 for byte-level tokens."""
+    """Vocabulary size; 256 for byte-level tokens, at least the tokenizer's for token shards."""
     dropout: float = 0.0
     """Dropout probability."""
     bias: bool = False
-    """Bias in Linear and LayerNorm layers."""
+    """Bias in Linear and LayerNorm layers (gpt, llama; gpt2 and qwen2 have their own)."""
     tie_embeddings: bool = False
     """Share the token embedding with the LM head (off: embedding and head are separate tensors)."""
 
     def check(self) -> None:
+        self.one_of("family", MODEL_FAMILIES)
+        hf = self.family == "hf"
+        self.require(
+            hf or not (self.pretrained or self.config_json),
+            "family",
+            "model.pretrained and model.config_json take their architecture from a transformers "
+            "config; set model.family = 'hf'",
+        )
+        self.require(
+            not hf or bool(self.pretrained) != bool(self.config_json),
+            "family",
+            "family = 'hf' needs exactly one of model.pretrained (a local model directory) and "
+            "model.config_json (a config.json to build from)",
+        )
         self.at_least("n_layer", 1)
         self.at_least("n_head", 1)
         self.require(
             self.n_embd % self.n_head == 0, "n_head", f"must divide model.n_embd = {self.n_embd}"
         )
+        self.at_least("n_kv_head", 0, "0: n_head")
+        self.require(
+            self.n_kv_head == 0 or self.n_head % self.n_kv_head == 0,
+            "n_kv_head",
+            f"must divide model.n_head = {self.n_head} (or 0: n_head)",
+        )
+        self.at_least("intermediate_size", 0, "0: the family's default")
         self.at_least("vocab_size", 2)
         self.require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
 
@@ -264,6 +305,18 @@ class OuterSection(Section):
         self.at_least("consensus_pull", 0)
         self.require(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
         self.at_least("fragments", 1)
+        if self.strategy == "streaming":
+            self.require(
+                self.H % self.fragments == 0,
+                "fragments",
+                f"must divide outer.H = {self.H} so fragments fire at offsets k H / P",
+            )
+            self.require(
+                0 <= self.overlap < self.H // self.fragments,
+                "overlap",
+                f"must be in [0, outer.H / outer.fragments = {self.H // self.fragments}) so a "
+                "fragment is sent inside its own slot of the round",
+            )
         _warn_unused_outer_keys(self)
 
 
@@ -311,6 +364,13 @@ class Config:
             "ddp, or a DiLoCo-family outer strategy (diloco, fgd, noloco, streaming) with FORGE",
         )
         require(
+            not (opt.name.startswith("forge-") and r.dtype == "bf16"),
+            "run.dtype",
+            r.dtype,
+            "FORGE updates weights inside backward and does not run under autocast; use "
+            "run.dtype = 'fp32' with FORGE, or optim.name = 'adamw' with bf16",
+        )
+        require(
             o.H <= r.steps,
             "outer.H",
             o.H,
@@ -329,22 +389,11 @@ class Config:
 
 
 def _check_streaming(o: OuterSection, m: ModelSection) -> None:
+    if m.family == "hf":  # the blocks are in a config file: the strategy checks its fragments
+        return
     require(
         o.fragments <= m.n_layer,
         "outer.fragments",
         o.fragments,
         f"cannot exceed model.n_layer = {m.n_layer} (fragments are groups of blocks)",
-    )
-    require(
-        0 <= o.overlap < o.H // o.fragments,
-        "outer.overlap",
-        o.overlap,
-        f"must be in [0, outer.H / outer.fragments = {o.H // o.fragments}) so a fragment "
-        "is sent inside its own slot of the round",
-    )
-    require(
-        o.H % o.fragments == 0,
-        "outer.fragments",
-        o.fragments,
-        f"must divide outer.H = {o.H} so fragments fire at offsets k H / P",
     )

@@ -94,6 +94,32 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(ours: dict, theirs: dict) -> str:
+    """Two runs' headline figures side by side (ours first), with their ratio."""
+    rows = [
+        ("val loss (last eval)", "loss/val_last"),
+        ("compute utilization", "util/compute"),
+        ("blocking comm s per worker", "time/blocking_s"),
+        ("compute s per worker", "time/compute_s"),
+        ("bytes sent per worker", "comm/bytes_sent"),
+        ("wall s", "time/wall_s"),
+    ]
+    names = (f"{ours.get('strategy')}", f"{theirs.get('strategy')}")
+    clock = ours.get("clock", "measured")
+    width = max(len(k) for k, _ in rows) + len(clock) + 3
+    lines = [f"{'metric':<{width}}{names[0]:>12}{names[1]:>12}{'ratio':>9}"]
+    for label, key in rows:
+        a, b = ours.get(key), theirs.get(key)
+        ratio = (
+            f"{a / b:.3f}"
+            if isinstance(a, float | int) and isinstance(b, float | int) and b
+            else "-"
+        )
+        name = label if key.startswith(("loss", "comm")) else f"{label} ({clock})"
+        lines.append(f"{name:<{width}}{_fmt(a):>12}{_fmt(b):>12}{ratio:>9}")
+    return "\n".join(lines)
+
+
 def plot_losses(records: list[dict], path: Path, title: str = "") -> Path:
     import matplotlib
 

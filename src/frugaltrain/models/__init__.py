@@ -1,8 +1,11 @@
-"""Models the strategies train: the built-in GPT (models/gpt.py) and named model parts
-(models/parts.py: embed, blocks, head), which Mix2 subsets, Streaming fragments and the
-consensus metrics address."""
+"""Models the strategies train: the built-in GPT (models/gpt.py), transformers causal LMs
+(models/hf.py), and named model parts (models/parts.py: embed, blocks, head), which Mix2
+subsets, Streaming fragments and the consensus metrics address. Every model has the same
+forward: `model(idx, targets) -> (logits, mean loss)`."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -10,11 +13,15 @@ from frugaltrain.config import Config
 from frugaltrain.models.gpt import GPT, GPTConfig
 
 
-def build_model(cfg: Config) -> GPT:
+def build_model(cfg: Config) -> torch.nn.Module:
     """The model of `cfg`, initialized from run.seed (the same on every worker: DiLoCo needs
     one shared starting point)."""
     m = cfg.model
     torch.manual_seed(cfg.run.seed)
+    if m.family != "gpt":
+        from frugaltrain.models.hf import build_hf
+
+        return build_hf(cfg)
     return GPT(
         GPTConfig(
             n_layer=m.n_layer,
@@ -29,6 +36,42 @@ def build_model(cfg: Config) -> GPT:
     )
 
 
+def model_dims(cfg: Config) -> dict[str, int]:
+    """vocab_size and the longest sequence of the model of `cfg`, without building it (a
+    transformers config file is read; a missing one is a ConfigError naming the path)."""
+    if cfg.model.family == "gpt":
+        return {"vocab_size": cfg.model.vocab_size, "positions": cfg.data.seq_len}
+    from frugaltrain.models.hf import hf_dims
+
+    return hf_dims(cfg)
+
+
+def train_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
+    """Analytic forward + backward FLOPs of one training token, matmuls only: 2 per weight of
+    every linear layer (the LM head included) plus the attention scores QK^T and A.V (full s x s,
+    4 s d per layer), times 3 (backward = input + weight gradients). Equals
+    energy.transformer_train_flops for the built-in GPT; transformers models count their own
+    layers (grouped-query attention and gated MLPs included)."""
+    if cfg.model.family == "gpt":
+        layers, width = cfg.model.n_layer, cfg.model.n_embd
+    else:
+        layers, width = model.hf.config.num_hidden_layers, model.hf.config.hidden_size
+    # gpt2's Conv1D is a linear layer with its weight transposed.
+    linear = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+    )
+    return 3.0 * (2 * linear + 4 * layers * cfg.data.seq_len * width)
+
+
+def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    """Forward passes in run.dtype: bf16 autocast (CPU or GPU; the weights stay fp32), or as is."""
+    if cfg.run.dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean loss of `model` over `batches`, in eval mode (dropout off); restores the mode."""
@@ -39,4 +82,12 @@ def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Ten
     return total
 
 
-__all__ = ["GPT", "GPTConfig", "build_model", "evaluate"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "autocast",
+    "build_model",
+    "evaluate",
+    "model_dims",
+    "train_flops_per_token",
+]

@@ -1,10 +1,17 @@
 """Naming parts of a model for the outer strategies: Mix2 subsets, Streaming fragments, and the
 tensor groups the consensus metrics are reported over.
 
-Parameter names follow models/gpt.py: `wte`/`wpe` (embeddings), `blocks.<i>.*`, `ln_f` and
-`head` (the LM head; tied to `wte` when model.tie_embeddings, in which case it is not a separate
-parameter). Other models work too: names that are neither embeddings, blocks nor head fall in
-group "other".
+Parts are found by module names, so one rule serves every model family:
+
+    embed   modules named wte, wpe (built-in GPT, gpt2), embed_tokens (llama, qwen2) and
+            other *_embeddings
+    blocks  blocks.N (built-in GPT), layers.N (llama, qwen2), h.N (gpt2)
+    head    head, lm_head, and the final norm (ln_f, norm). With tied embeddings the LM head is
+            the embedding's tensor and is not a separate parameter: `head` then holds the norm.
+    other   anything else
+
+transformers models sit under `hf.` (models/hf.py): hf.model.embed_tokens.weight is embed,
+hf.model.layers.3.mlp.up_proj.weight is block 3, hf.lm_head.weight is head.
 """
 
 from __future__ import annotations
@@ -12,21 +19,24 @@ from __future__ import annotations
 import fnmatch
 import re
 
-_BLOCK = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
+_EMBED = {"wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings"}
+_HEAD = {"head", "lm_head", "ln_f", "norm", "final_layernorm", "final_layer_norm"}
 
 
 def block_index(name: str) -> int | None:
-    m = _BLOCK.match(name)
+    m = _BLOCK.search(name)
     return int(m.group(1)) if m else None
 
 
 def group_of(name: str) -> str:
     """embed, blocks, head or other."""
-    if name.split(".")[0] in ("wte", "wpe"):
-        return "embed"
     if block_index(name) is not None:
         return "blocks"
-    if name.split(".")[0] in ("head", "ln_f"):
+    modules = set(name.split(".")[:-1])
+    if modules & _EMBED:
+        return "embed"
+    if modules & _HEAD:
         return "head"
     return "other"
 

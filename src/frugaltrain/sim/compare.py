@@ -4,7 +4,7 @@ network, then write DIR/report.md and DIR/*.png. Every time and utilization figu
 `--report-only` re-renders from the runs already in DIR.
 
 Method names (METHODS below) map to config overrides; `M2:<subset>` is Factored Gossip DiLoCo
-with global Mix1 and a global Mix2 over outer.params.select(<subset>) (e.g. M2:embed+head),
+with global Mix1 and a global Mix2 over models.parts.select(<subset>) (e.g. M2:embed+head),
 `M2pairs:<subset>` the same with pairwise Mix2.
 """
 

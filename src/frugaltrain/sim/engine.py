@@ -21,7 +21,7 @@ Energy and FLOPs (per round record, summed in the summary; keys as in train/loop
         Not counted: a crashed worker's down time, its rejoin transfer (not in comm/bytes_sent
         either), and a worker's time after its last operation while slower ones finish.
     flops/train = analytic forward + backward FLOPs of the inner steps the workers ran
-        (energy.transformer_train_flops; rolled-back steps included: they were computed).
+        (models.train_flops_per_token; rolled-back steps included: they were computed).
     energy/host_joules, energy/host_label (summary only) = this process's own energy from
         energy.open_meter: what simulating cost on this host, not the simulated cluster.
 """
@@ -42,10 +42,9 @@ from frugaltrain.config import Config, to_dict, to_toml
 from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import open_meter
-from frugaltrain.energy.proxies import transformer_train_flops
 from frugaltrain.metrics.consensus import GROUPS, averaged_model, squared_distance
 from frugaltrain.metrics.log import MetricsLog
-from frugaltrain.models import build_model, evaluate
+from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
 from frugaltrain.outer import build_strategy
 from frugaltrain.sim.config import SimSection, energy_label
@@ -131,11 +130,8 @@ class _Sim:
         self.log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
         self.round = 0
         self.step = 0
-        m = cfg.model
         tokens_per_step = d.batch_size * d.seq_len
-        self.flops_per_step = transformer_train_flops(
-            m.n_layer, m.n_embd, m.n_head, d.seq_len, m.vocab_size, tokens_per_step
-        )
+        self.flops_per_step = train_flops_per_token(template, cfg) * tokens_per_step
         self.energy_label = energy_label(sim)
         self.t0 = time.perf_counter()
         self._prev = self._totals()
@@ -172,7 +168,8 @@ class _Sim:
                 with self.slots:
                     t = time.perf_counter()
                     x, y = w.sampler.batch(step)
-                    _, loss = w.model(x, y)
+                    with autocast(cfg, torch.device("cpu")):
+                        _, loss = w.model(x, y)
                     if not torch.isfinite(loss):
                         raise FloatingPointError(
                             f"[sim worker {i} step {step}] non-finite loss {loss.item()}; "

@@ -28,7 +28,7 @@ def config_fingerprint(cfg: Config) -> dict:
     return d
 
 
-def _digest(d: dict) -> str:
+def digest(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -56,7 +56,7 @@ def mark_complete(run_dir: Path, round_idx: int, step: int, cfg: Config) -> None
         "round": round_idx,
         "step": step,
         "workers": cfg.run.workers,
-        "fingerprint": _digest(config_fingerprint(cfg)),
+        "fingerprint": digest(config_fingerprint(cfg)),
     }
     path = round_dir(run_dir, round_idx) / "COMPLETE"
     _atomic_write(path, lambda f: f.write(json.dumps(meta).encode()))
@@ -81,7 +81,7 @@ def check_resumable(ckpt_dir: Path, cfg: Config) -> dict:
             f"checkpoint {ckpt_dir} was written by {meta['workers']} workers but run.workers = "
             f"{cfg.run.workers}; resume with --set run.workers={meta['workers']}"
         )
-    if meta["fingerprint"] != _digest(config_fingerprint(cfg)):
+    if meta["fingerprint"] != digest(config_fingerprint(cfg)):
         raise ConfigError(
             f"checkpoint {ckpt_dir} was written with a different model/data/optim/outer config or "
             "seed than the one given; resume without changing those sections"

@@ -34,6 +34,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="shortcut for --set run.name=NAME")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     p.add_argument(
+        "--baseline",
+        metavar="STRATEGY",
+        help="also run (or reuse a cached run of) the same config under STRATEGY, e.g. diloco, "
+        "and print the two side by side",
+    )
+    p.add_argument(
         "--inject",
         help="faults, e.g. 'kill:worker=2,round=5'; turns on run.fault_tolerance (run.inject)",
     )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from frugaltrain.comm import LocalComm
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
+from frugaltrain.models import model_dims
 from frugaltrain.train import checkpoint
 from frugaltrain.train.loop import train_worker
 from frugaltrain.train.supervisor import backend, run_local, worker_threads
@@ -34,14 +35,25 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def check_data(cfg: Config) -> None:
-    """Fail before starting workers if the corpus or any worker's shard cannot serve batches."""
+    """Fail before starting workers if the model's files are missing, the data's tokens do not
+    fit its vocabulary or sequences its positions, or the corpus or any worker's shard cannot
+    serve batches."""
     d = cfg.data
-    if cfg.model.vocab_size < 256:
-        raise ConfigError(
-            f"model.vocab_size = {cfg.model.vocab_size}: byte tokens need at "
-            "least 256; set model.vocab_size = 256"
-        )
+    dims = model_dims(cfg)
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    vocab = getattr(corpus, "vocab_size", None) or 256  # byte tokens: 256
+    key = "model.pretrained" if cfg.model.pretrained else "model.vocab_size"
+    if dims["vocab_size"] < vocab:
+        value = cfg.model.pretrained or dims["vocab_size"]
+        raise ConfigError(
+            f"{key} = {value!r}: the model has {dims['vocab_size']} token ids but {corpus.source} "
+            f"uses {vocab}; set model.vocab_size = {vocab}, or use a model and tokenizer that fit"
+        )
+    if dims["positions"] < d.seq_len:
+        raise ConfigError(
+            f"data.seq_len = {d.seq_len}: the model covers {dims['positions']} positions; "
+            f"set data.seq_len <= {dims['positions']}"
+        )
     for rank in range(cfg.run.workers):
         BatchSampler(
             shard_tokens(corpus.train, rank, cfg.run.workers, d.num_shards, d.sharding),
@@ -120,6 +132,7 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
                 f"{run_dir / 'checkpoints'}; start a new run instead"
             )
         checkpoint.check_resumable(ckpt, cfg)  # here, not in N worker tracebacks
+        check_data(cfg)
         if under_torchrun():  # every rank was given the same directory
             _join_torchrun(cfg)
         return cfg, run_dir, ckpt
@@ -131,10 +144,14 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
     return cfg, new_run_dir(cfg), None
 
 
-def train_from_cli(config_path: str | None, overrides: list[str], resume: str | None) -> int:
-    from frugaltrain.metrics.report import report
+def train_from_cli(
+    config_path: str | None, overrides: list[str], resume: str | None, baseline: str | None = None
+) -> int:
+    from frugaltrain.metrics.report import format_comparison, report
 
     torchrun = under_torchrun()
+    if baseline and torchrun:
+        raise ConfigError("--baseline runs a second local run; launch the baseline on its own")
     cfg, run_dir, ckpt = prepare(config_path, overrides, resume)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine: what --resume reads there
@@ -148,5 +165,11 @@ def train_from_cli(config_path: str | None, overrides: list[str], resume: str | 
         if torchrun:
             dist.destroy_process_group()
     if is_rank0:
-        report(run_dir)
+        summary = report(run_dir)
+        if baseline:
+            from frugaltrain.train.baseline import run_baseline
+
+            theirs, where = run_baseline(cfg, baseline, run)
+            print(f"\n{cfg.outer.strategy} beside {baseline} (baseline {where}):")
+            print(format_comparison(summary, theirs))
     return 0

@@ -21,7 +21,7 @@ Energy and FLOPs (per round record, summed by `report`):
         sum of the reporting workers. The window covers all of the round (steps, eval, outer
         step), and round 1 also the setup.
     flops/train = analytic forward + backward FLOPs of the round's tokens on all workers
-        (energy.transformer_train_flops; "estimated", matmuls only; FORGE's second clipping
+        (models.train_flops_per_token; "estimated", matmuls only; FORGE's second clipping
         backward and evaluation are not counted).
 """
 
@@ -37,12 +37,11 @@ from pathlib import Path
 import torch
 
 from frugaltrain.comm import Comm
-from frugaltrain.config import Config
+from frugaltrain.config import Config, ConfigError
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import RaplMeter, open_meter
-from frugaltrain.energy.proxies import transformer_train_flops
 from frugaltrain.metrics.consensus import GROUPS, averaged_model, logit_js, squared_distance
-from frugaltrain.models import build_model, evaluate
+from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
 from frugaltrain.outer import build_strategy
 from frugaltrain.train import checkpoint
@@ -73,19 +72,28 @@ class Worker:
             "schedule": self.schedule.state_dict(),
             "outer": self.strategy.state_dict(),
             "rng": _rng_state(self.device),
+            "data": self.sampler.state_dict(),
             "step": self.step,
             "round": self.round,
         }
 
-    def load(self, state: dict, rng: bool = True) -> None:
-        """Continue from `state`; a rejoining worker keeps its own RNG (dropout stays its own)."""
+    def load(self, state: dict, own: bool = True) -> None:
+        """Continue from `state`: this worker's checkpoint (`own`), or a live peer's state when
+        rejoining, of which it takes neither the RNG (dropout stays its own) nor the data
+        position (its shard and seed are its own; the step says where it reads)."""
         self.model.load_state_dict(state["model"])
         self.inner.load_state_dict(state["inner"])
         self.schedule.load_state_dict(state["schedule"])
         self.strategy.load_state_dict(state["outer"])
-        if rng:
-            _set_rng_state(state["rng"], self.device)
         self.step, self.round = state["step"], state["round"]
+        if own:
+            _set_rng_state(state["rng"], self.device)
+            self.sampler.load_state_dict(state.get("data", self.sampler.state_dict()))
+            if "data" in state and self.sampler.step != self.step:
+                raise ConfigError(
+                    f"checkpoint: data position {self.sampler.step} but step {self.step}; the "
+                    "checkpoint is inconsistent: resume from an earlier one"
+                )
 
 
 @dataclass
@@ -146,7 +154,7 @@ def setup(cfg: Config, comm: Comm, device: torch.device, resume_from: Path | Non
     """Data (this worker's shard, and validation batches shared by all), model, inner optimizer
     and schedule, outer strategy; then a checkpoint's or a live peer's state, if there is one."""
     r, d = cfg.run, cfg.data
-    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction, verify=False)  # the launcher did
     shard = shard_tokens(corpus.train, comm.rank, comm.world_size, d.num_shards, d.sharding)
     sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, comm.rank))
     val_sampler = BatchSampler(corpus.val, d.seq_len, d.batch_size, seed=10_007 + r.seed)
@@ -161,7 +169,7 @@ def setup(cfg: Config, comm: Comm, device: torch.device, resume_from: Path | Non
     w = Worker(cfg, comm, device, model, inner, schedule, strategy, sampler, val_batches)
     if resume_from is not None:
         w.load(checkpoint.load_worker(resume_from, comm.rank, cfg))
-    comm.rejoin(lambda state: w.load(state, rng=False), w.state)  # a restarted worker only
+    comm.rejoin(lambda state: w.load(state, own=False), w.state)  # a restarted worker only
     return w
 
 
@@ -186,7 +194,8 @@ def inner_step(w: Worker, log: RoundLog) -> tuple[float, float, float]:
     blocked0 = w.comm.stats.blocking_s
     w.strategy.before_step(w.step)
     x, y = (t.to(w.device, non_blocking=True) for t in w.sampler.batch(w.step))
-    _, loss = w.model(x, y)
+    with autocast(w.cfg, w.device):
+        _, loss = w.model(x, y)
     loss_value = loss.item()  # the step's one host sync (on a GPU: before backward starts)
     if not math.isfinite(loss_value):
         log.write_steps()
@@ -221,37 +230,41 @@ def eval_due(cfg: Config, step: int, round_steps: int) -> bool:
 
 
 def evaluate_round(w: Worker) -> tuple[float, dict]:
-    """Validation loss, and with several workers how far apart they are. Evaluation rounds
-    synchronize (the diagnostics need every worker's parameters); their time is reported apart
-    and is neither compute nor algorithm blocking."""
+    """Validation loss, and with several workers how far apart they are and the loss of their
+    averaged model. Evaluation rounds synchronize (the diagnostics need every worker's
+    parameters); their time is reported apart and is neither compute nor algorithm blocking."""
     t0 = time.perf_counter()
-    val_loss = evaluate(w.model, w.val_batches)
-    fields = disagreement(w.model, w.comm, w.val_batches[0][0]) if w.comm.world_size > 1 else {}
+    with autocast(w.cfg, w.device):
+        val_loss = evaluate(w.model, w.val_batches)
+        if w.comm.world_size > 1:
+            fields = disagreement(w.model, w.comm, w.val_batches)
+        else:
+            fields = {"loss/val_avg_model": val_loss}
     fields["time/eval_s"] = time.perf_counter() - t0
     return val_loss, fields
 
 
-def disagreement(model: torch.nn.Module, comm: Comm, batch: torch.Tensor) -> dict[str, float]:
-    """Consensus distance (total and per group) and logit JS of the workers (metrics.consensus),
-    through the comm's uncounted diagnostic reductions; call on every worker at once."""
+def disagreement(model: torch.nn.Module, comm: Comm, batches: list) -> dict[str, float]:
+    """Consensus distance (total and per group), logit JS (metrics.consensus, on the first
+    batch) and the averaged model's loss, through the comm's uncounted diagnostic reductions;
+    call on every worker at once."""
     mean = comm.metric_mean_tensors(list(model.parameters()))
     local = squared_distance(model, mean)
-    js = logit_js(model, averaged_model(model, mean), batch)
+    averaged = averaged_model(model, mean)
+    js = logit_js(model, averaged, batches[0][0])
     values = comm.metric_mean([sum(local.values()), *local.values(), js])
     out = {"consensus/total": values[0]}
     out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:-1], strict=True)})
     out["disagreement/logit_js"] = values[-1]
+    out["loss/val_avg_model"] = evaluate(averaged, batches)  # the same on every worker
     return out
 
 
 def round_record(w: Worker, steps: int, lr: float, wall_s: float) -> dict:
     """A round's record before the workers' means are in (RoundLog completes it)."""
     cfg, M = w.cfg, w.comm.world_size
-    d, m = cfg.data, cfg.model
-    tokens_per_step = d.batch_size * d.seq_len
-    flops_per_token = transformer_train_flops(
-        m.n_layer, m.n_embd, m.n_head, d.seq_len, m.vocab_size, 1
-    )
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_token = train_flops_per_token(w.model, cfg)
     return {
         "kind": "round",
         "round": w.round,

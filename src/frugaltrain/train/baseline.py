@@ -1,0 +1,50 @@
+"""A run beside its baseline: the same config under another outer strategy (e.g. DiLoCo beside
+Factored Gossip DiLoCo), measured in the same command or reused from an earlier one.
+
+    frugaltrain train --config examples/default.toml --baseline diloco
+
+The baseline's run directory is out_dir/baselines/STRATEGY-DIGEST, where DIGEST hashes the whole
+config but the run's name, directory and progress bar, so a cached baseline is reused only for
+the same config; any change runs it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from frugaltrain.config import OUTER_KEYS, Config, ConfigError, OuterSection, to_dict, to_toml
+from frugaltrain.metrics.report import report
+from frugaltrain.train import checkpoint
+
+
+def baseline_config(cfg: Config, strategy: str) -> Config:
+    """`cfg` under `strategy`, with the [outer] keys that strategy does not read at defaults."""
+    if strategy not in OUTER_KEYS:
+        raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(OUTER_KEYS)}")
+    reads = OUTER_KEYS[strategy]
+    defaults = {f.name: f.default for f in dataclasses.fields(OuterSection) if f.name not in reads}
+    outer = dataclasses.replace(cfg.outer, strategy=strategy, **defaults)
+    run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
+    return dataclasses.replace(cfg, outer=outer, run=run)
+
+
+def baseline_dir(cfg: Config) -> Path:
+    keys = to_dict(cfg)
+    for key in ("name", "out_dir", "progress"):
+        keys["run"].pop(key)
+    return Path(cfg.run.out_dir) / "baselines" / f"{cfg.outer.strategy}-{checkpoint.digest(keys)}"
+
+
+def run_baseline(cfg: Config, strategy: str, run) -> tuple[dict, str]:
+    """The baseline's summary, and whether it was measured now or cached (run(cfg, run_dir)
+    trains; it is the launcher's)."""
+    base = baseline_config(cfg, strategy)
+    run_dir = baseline_dir(base)
+    if (run_dir / "summary.json").is_file():
+        return report(run_dir, quiet=True), f"cached from an earlier run ({run_dir})"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(base))
+    print(f"baseline: {strategy} on the same config ({run_dir})", flush=True)
+    run(base, run_dir)
+    return report(run_dir, quiet=True), f"measured now ({run_dir})"
