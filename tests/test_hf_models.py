@@ -7,6 +7,11 @@ module tree, export to the transformers format, and clear errors."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +204,44 @@ def test_pretrained_directory_round_trip(make_config, tmp_path):
     launch.check_data(cfg)
     again = build_model(cfg)
     assert _same(list(model.parameters()), list(again.parameters()))
+
+
+def test_llama_on_token_shards_resumes_bitwise_after_a_kill(config_factory, text_dir, tmp_path):
+    """A run killed (SIGKILL, all its processes) after some checkpoint and resumed ends with the
+    parameters, outer state and data position of an uninterrupted run, bit for bit."""
+    from frugaltrain.data.shards import prepare
+    from frugaltrain.data.tokenizer import train_tokenizer
+    from frugaltrain.train import checkpoint
+
+    tok = train_tokenizer("", 300, tmp_path / "tok", max_bytes=100_000)
+    shards = tmp_path / "shards"
+    prepare(str(text_dir), str(tok), str(shards), val_fraction=0.2)
+    sets = (*LLAMA, "run.workers=2", "run.steps=160", "run.checkpoint_every=1")
+    sets += (f"data.path='{shards}'", "model.vocab_size=300", "run.progress=false")
+    full = config_factory(tmp_path, *sets, "run.name='full'")
+    full_dir = launch.new_run_dir(full)
+    launch.run(full, full_dir)
+
+    config = tmp_path / "killed.toml"
+    config.write_text(to_toml(config_factory(tmp_path, *sets, "run.name='killed'")))
+    cmd = [sys.executable, "-m", "frugaltrain", "train", "--config", str(config)]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    marker = tmp_path / "killed" / "checkpoints" / "round_000002" / "COMPLETE"
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers, mid-run
+    proc.wait()
+    run_dir = tmp_path / "killed"
+    assert checkpoint.latest_complete(run_dir).name < "round_000040"  # killed before the end
+    cfg, run_dir, ckpt = launch.prepare(None, [], str(run_dir))
+    launch.run(cfg, run_dir, ckpt)
+
+    for rank in range(2):
+        a, b = (
+            torch.load(checkpoint.latest_complete(d) / f"worker_{rank}.pt", weights_only=False)
+            for d in (full_dir, run_dir)
+        )
+        assert a["step"] == b["step"] == 160 and a["data"] == b["data"]
+        assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+        assert _same(a["outer"]["outer"], b["outer"]["outer"])
