@@ -81,6 +81,8 @@ def test_key_set_is_pinned():
             "mix2",
             "mix2_params",
             "momentum_policy",
+            "mix1_weight",
+            "mix2_momentum",
             "group_size",
             "consensus_pull",
             "fragments",

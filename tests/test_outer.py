@@ -60,6 +60,44 @@ def test_one_worker_reduces_to_diloco(make_config, sets):
     _assert_same(_params(a), _params(b))
 
 
+def test_momentum_reset_is_outer_sgd_with_a_larger_rate(make_config):
+    # Cleared before every step, Nesterov's buffer is the step's own pseudo-gradient g, so the
+    # step is gamma (g + mu g): plain outer SGD at gamma (1 + mu). Equal up to the rounding of
+    # gamma (1 + mu) g against gamma g + gamma mu g (float32, a few rounds of a tiny model).
+    reset = make_config("outer.strategy='fgd'", "outer.momentum_policy='reset'")
+    sgd = make_config(f"outer.lr={0.7 * 1.9}", "outer.momentum=0.0", "run.name=sgd")
+    a = _params(train_worker(reset, LocalComm(), _start(reset)).model)
+    b = _params(train_worker(sgd, LocalComm(), _start(sgd)).model)
+    for u, v in zip(a, b, strict=True):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+def test_mix2_momentum_makes_pair_partners_equal(make_config):
+    # GlobalM1 plus a pairwise Mix2 of pseudo-gradients and momenta on all tensors: after the
+    # last round the two workers of each pair took the same update from the same Mix1 result,
+    # so they hold the same parameters; with the raw pseudo-gradients only, their local momenta
+    # keep them apart.
+    from frugaltrain.comm.topology import mixing_matrix
+    from frugaltrain.sim import SimSection, simulate
+
+    sets = ("run.workers=4", "outer.strategy='fgd'", "outer.mix2='pairs'", "run.eval_every=0")
+    sets += ("run.steps=24",)  # 4 rounds: the last round pairs workers the earlier ones did not
+    finals = {}
+    for flag in ("true", "false"):
+        cfg = make_config(*sets, f"outer.mix2_momentum={flag}")
+        finals[flag] = [_params(m) for m in simulate(cfg, SimSection(ratio=0.5)).models]
+    rounds = 24 // 6
+    w2 = mixing_matrix("pairs", 4, rounds - 1, seed=1)  # the last round's pairs (seed + 1)
+    partner = int(w2[0, 1:].argmax()) + 1
+    other = next(i for i in (1, 2, 3) if i != partner)
+
+    def same(flag: str, i: int, j: int) -> bool:
+        return all(torch.equal(u, v) for u, v in zip(finals[flag][i], finals[flag][j], strict=True))
+
+    assert same("true", 0, partner) and not same("true", 0, other)
+    assert not same("false", 0, partner)
+
+
 def test_param_subsets_and_fragments(make_config):
     names = [n for n, _ in build_model(make_config("model.n_layer=3")).named_parameters()]
     chosen = dict(zip(names, select(names, "embed+head+blocks:1"), strict=True))

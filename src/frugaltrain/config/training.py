@@ -24,7 +24,7 @@ OUTER_KEYS = {
     "diloco": ("strategy", "H", "lr", "momentum", "nesterov"),
     "fgd": (
         *("strategy", "H", "lr", "momentum", "nesterov", "codec", "preset"),
-        *("mix1", "mix2", "mix2_params", "momentum_policy"),
+        *("mix1", "mix2", "mix2_params", "momentum_policy", "mix1_weight", "mix2_momentum"),
     ),
     "noloco": ("strategy", "H", "lr", "momentum", "codec", "group_size", "consensus_pull"),
     "streaming": (
@@ -262,8 +262,16 @@ class OuterSection(Section):
     """fgd: tensors Mix2 covers: all, none, or '+'-joined parts among embed, head, blocks:K (the
     first K blocks) and fnmatch patterns of parameter names, e.g. embed+head+blocks:2."""
     momentum_policy: str = "local"
-    """fgd: local (each worker keeps its outer momentum) or mixed (Mix1 also mixes it: the
-    paper's GlobalM1S, reported to spike)."""
+    """fgd: local (each worker keeps its outer momentum), mixed (Mix1 also mixes it: the paper's
+    GlobalM1S, reported to spike) or reset (cleared before every outer step: outer SGD with
+    learning rate gamma (1 + mu), no momentum carried across rounds)."""
+    mix1_weight: float = 1.0
+    """fgd: alpha, how much of Mix1 a worker takes: y_i = (1 - alpha) x_i + alpha (W1 x)_i
+    (1: the full mix, 0: no Mix1)."""
+    mix2_momentum: bool = False
+    """fgd: Mix2 also mixes the chosen tensors' outer momentum, so it mixes their post-momentum
+    update rather than only the raw pseudo-gradient (with a complete Mix2 on all tensors both
+    are DiLoCo)."""
     group_size: int = 2
     """noloco: workers per random group each round."""
     consensus_pull: float = 0.7
@@ -300,7 +308,8 @@ class OuterSection(Section):
             )
         self.one_of("mix1", TOPOLOGIES)
         self.one_of("mix2", TOPOLOGIES)
-        self.one_of("momentum_policy", ("local", "mixed"))
+        self.one_of("momentum_policy", ("local", "mixed", "reset"))
+        self.require(0 <= self.mix1_weight <= 1, "mix1_weight", "must be in [0, 1]")
         self.at_least("group_size", 2)
         self.at_least("consensus_pull", 0)
         self.require(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")

@@ -2,6 +2,8 @@
 
 consensus distance  Xi^2 = (1/M) sum_i ||theta_i - theta_bar||^2, in total and per tensor group
                     (embed, blocks, head, other; models.parts.group_of)
+momentum spread     (1/M) sum_i ||m_i - m_bar||^2 of the outer momenta (DiLoCo family), which a
+                    local momentum policy lets grow up to 1/(1 - mu^2) times a round's spread
 logit JS            mean over workers and tokens of JS(p_i || p_bar), where p_i is worker i's
                     next-token distribution and p_bar that of the averaged model, on one fixed
                     held-out batch (natural log; 0 when the workers agree, at most ln 2)
@@ -30,6 +32,12 @@ def squared_distance(model: torch.nn.Module, mean: list[torch.Tensor]) -> dict[s
     for (name, p), m in zip(model.named_parameters(), mean, strict=True):
         out[group_of(name)] += (p.float() - m).pow(2).sum().item()
     return out
+
+
+@torch.no_grad()
+def spread(tensors: list[torch.Tensor], mean: list[torch.Tensor]) -> float:
+    """||t - mean||^2 summed over a list of tensors (one worker's part of a spread)."""
+    return sum((t.float() - m).pow(2).sum().item() for t, m in zip(tensors, mean, strict=True))
 
 
 @torch.no_grad()

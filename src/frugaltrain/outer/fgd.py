@@ -15,11 +15,15 @@ is that worker i's inner phase starts from x_i rather than the mean. With doubly
 and W2 the mean of the x_i follows DiLoCo's outer recursion exactly.
 
 Momentum policy "local" keeps m_i on the worker; "mixed" (the paper's GlobalM1S) sends m_i along
-with x_i in Mix1, doubling its bytes.
+with x_i in Mix1, doubling its bytes; "reset" clears m_i before every outer step (an ablation:
+no momentum carried across rounds). Two more ablation switches: mix1_weight alpha takes only part
+of Mix1 (y_i = (1 - alpha) x_i + alpha (W1 x)_i), and mix2_momentum mixes the chosen tensors'
+momentum in Mix2 too, i.e. their post-momentum update instead of the raw pseudo-gradient.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,7 +41,9 @@ class FactoredGossipDiLoCo(OuterRound):
         preset: GlobalM1 or GlobalM1LocalM2 sets mix1, mix2 and mix2_params (config.FGD_PRESETS).
         mix1, mix2: topologies (comm.topology) of the parameter and pseudo-gradient mixes.
         mix2_params: tensors Mix2 covers (models.parts.select).
-        momentum_policy: "local" or "mixed".
+        momentum_policy: "local", "mixed" or "reset".
+        mix1_weight: alpha, the share of Mix1 a worker takes.
+        mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
         codec: encoding of everything sent (comm.compress).
     """
 
@@ -51,6 +57,8 @@ class FactoredGossipDiLoCo(OuterRound):
         mix2: str = "none",
         mix2_params: str = "all",
         momentum_policy: str = "local",
+        mix1_weight: float = 1.0,
+        mix2_momentum: bool = False,
         codec: str = "fp32",
         **outer,
     ) -> None:
@@ -60,6 +68,8 @@ class FactoredGossipDiLoCo(OuterRound):
         self.mix1, self.mix2 = mixing["mix1"], mixing["mix2"]
         self.in_mix2 = select(self.names, mixing["mix2_params"]) if self.mix2 != "none" else []
         self.momentum_policy = momentum_policy
+        self.mix1_weight = mix1_weight
+        self.mix2_momentum = mix2_momentum
         self.codec = codec
         self._mix1: tuple[Handle, list[torch.Tensor]] | None = None
 
@@ -71,7 +81,10 @@ class FactoredGossipDiLoCo(OuterRound):
         momenta = self.momenta() if self.momentum_policy == "mixed" else None
         if momenta is not None:
             payload += [m.clone() for m in momenta]
-        w1 = mixing_matrix(self.mix1, len(self.comm.members), self.round, self.seed)
+        n = len(self.comm.members)
+        w1 = mixing_matrix(self.mix1, n, self.round, self.seed)
+        if self.mix1_weight < 1:
+            w1 = (1 - self.mix1_weight) * np.eye(n) + self.mix1_weight * w1
         handle = self.comm.mix_(payload, w1, codec=self.codec, blocking=False)
         self._mix1 = (handle, payload)
 
@@ -80,9 +93,7 @@ class FactoredGossipDiLoCo(OuterRound):
         if self._mix1 is None:  # a caller that never calls before_step: mix now, blocking
             self.start_round()
         if self.in_mix2:
-            chosen = [d for d, keep in zip(deltas, self.in_mix2, strict=True) if keep]
-            w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
-            self.comm.mix_(chosen, w2, codec=self.codec)
+            self._mix2(deltas)
         handle, mixed = self._mix1
         handle.wait()
         self._mix1 = None
@@ -90,6 +101,17 @@ class FactoredGossipDiLoCo(OuterRound):
         copy_all_(self.outer, mixed[:n])
         if len(mixed) > n:
             copy_all_(self.momenta(), mixed[n:])
+        if self.momentum_policy == "reset" and self.momenta() is not None:
+            for m in self.momenta():
+                m.zero_()
+
+    def _mix2(self, deltas: list[torch.Tensor]) -> None:
+        chosen = [d for d, keep in zip(deltas, self.in_mix2, strict=True) if keep]
+        momenta = self.momenta() if self.mix2_momentum else None
+        if momenta is not None:
+            chosen += [m for m, keep in zip(momenta, self.in_mix2, strict=True) if keep]
+        w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+        self.comm.mix_(chosen, w2, codec=self.codec)
 
     def state_dict(self) -> dict:
         if self._mix1 is not None:

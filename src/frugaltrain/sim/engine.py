@@ -42,7 +42,7 @@ from frugaltrain.config import Config, to_dict, to_toml
 from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import open_meter
-from frugaltrain.metrics.consensus import GROUPS, averaged_model, squared_distance
+from frugaltrain.metrics.consensus import GROUPS, averaged_model, spread, squared_distance
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
@@ -394,10 +394,15 @@ class _Sim:
         vals = [evaluate(m, self.val_batches) for m in models]
         out = {
             "loss/val": sum(vals) / len(vals),
+            "loss/val_workers": vals,
             "loss/val_avg_model": evaluate(averaged_model(models[0], mean), self.val_batches),
             "consensus/total": sum(groups.values()),
         }
         out.update({f"consensus/{g}": v for g, v in groups.items()})
+        momenta = [getattr(self.workers[i].strategy, "momenta", lambda: None)() for i in live]
+        if all(m is not None for m in momenta):
+            m_mean = [torch.stack(ms).double().mean(0).float() for ms in zip(*momenta, strict=True)]
+            out["consensus/momentum"] = sum(spread(m, m_mean) for m in momenta) / len(momenta)
         if self.floor is not None:
             out["loss/floor"] = self.floor
             out["loss/excess"] = out["loss/val"] - self.floor

@@ -40,7 +40,13 @@ from frugaltrain.comm import Comm
 from frugaltrain.config import Config, ConfigError
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import RaplMeter, open_meter
-from frugaltrain.metrics.consensus import GROUPS, averaged_model, logit_js, squared_distance
+from frugaltrain.metrics.consensus import (
+    GROUPS,
+    averaged_model,
+    logit_js,
+    spread,
+    squared_distance,
+)
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
 from frugaltrain.outer import build_strategy
@@ -237,25 +243,34 @@ def evaluate_round(w: Worker) -> tuple[float, dict]:
     with autocast(w.cfg, w.device):
         val_loss = evaluate(w.model, w.val_batches)
         if w.comm.world_size > 1:
-            fields = disagreement(w.model, w.comm, w.val_batches)
+            fields = disagreement(w, val_loss)
         else:
             fields = {"loss/val_avg_model": val_loss}
     fields["time/eval_s"] = time.perf_counter() - t0
     return val_loss, fields
 
 
-def disagreement(model: torch.nn.Module, comm: Comm, batches: list) -> dict[str, float]:
-    """Consensus distance (total and per group), logit JS (metrics.consensus, on the first
-    batch) and the averaged model's loss, through the comm's uncounted diagnostic reductions;
-    call on every worker at once."""
+def disagreement(w: Worker, val_loss: float) -> dict[str, float]:
+    """How far apart the workers are (metrics.consensus): consensus distance in total and per
+    group, logit JS on the first batch, the outer momentum spread, every worker's validation
+    loss and the averaged model's. Through the comm's uncounted diagnostic reductions; call on
+    every worker at once."""
+    comm, model, batches = w.comm, w.model, w.val_batches
     mean = comm.metric_mean_tensors(list(model.parameters()))
     local = squared_distance(model, mean)
     averaged = averaged_model(model, mean)
     js = logit_js(model, averaged, batches[0][0])
-    values = comm.metric_mean([sum(local.values()), *local.values(), js])
+    momenta = w.strategy.momenta() if hasattr(w.strategy, "momenta") else None
+    m_spread = spread(momenta, comm.metric_mean_tensors(momenta)) if momenta else 0.0
+    n = len(comm.members)  # a mean over members: worker r's loss sits at position r, times n
+    own = [val_loss * n if r == comm.rank else 0.0 for r in range(comm.world_size)]
+    values = comm.metric_mean([sum(local.values()), *local.values(), js, m_spread, *own])
     out = {"consensus/total": values[0]}
-    out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:-1], strict=True)})
-    out["disagreement/logit_js"] = values[-1]
+    out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:5], strict=True)})
+    out["disagreement/logit_js"] = values[5]
+    if momenta:
+        out["consensus/momentum"] = values[6]
+    out["loss/val_workers"] = [values[7 + r] for r in comm.members]
     out["loss/val_avg_model"] = evaluate(averaged, batches)  # the same on every worker
     return out
 
