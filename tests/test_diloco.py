@@ -140,9 +140,8 @@ def test_resume_refuses_mismatch_and_corruption(make_config):
         checkpoint.load_worker(checkpoint.latest_complete(run_dir), 0, changed)
     latest = checkpoint.latest_complete(run_dir)
     (latest / "worker_0.pt").write_bytes(b"not a checkpoint")
-    same, _, ckpt = prepare(None, [], str(run_dir))
     with pytest.raises(ConfigError, match="corrupt or unreadable"):
-        checkpoint.load_worker(ckpt, 0, same)
+        checkpoint.load_worker(latest, 0, cfg)
     meta = json.loads((latest / "COMPLETE").read_text())
     assert meta["workers"] == 1
 

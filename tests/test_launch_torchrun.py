@@ -45,7 +45,9 @@ def test_torchrun_shares_one_run_dir_resumes_and_matches_local_spawn(make_config
     run_dir = out / "tr"
     first = checkpoint.latest_complete(run_dir)
     assert first.name == "round_000002"
-    assert sorted(p.name for p in first.iterdir()) == ["COMPLETE", "worker_0.pt", "worker_1.pt"]
+    files = ["COMPLETE", "worker_0.pt", "worker_0.pt.sha256", "worker_1.pt", "worker_1.pt.sha256"]
+    assert sorted(p.name for p in first.iterdir()) == files
+    checkpoint.verify(first)  # both workers' files are in the manifest, with their hashes
 
     _torchrun("--resume", str(run_dir), cwd=tmp_path)
     assert [p.name for p in out.iterdir()] == ["tr"]

@@ -15,11 +15,11 @@ this file only routes to them, importing lazily so a missing optional extra neve
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-from frugaltrain.config import ConfigError
+from frugaltrain.config import ArgumentParser, ConfigError
+from frugaltrain.train.failures import WorkerFailed
 from frugaltrain.train.flags import TRAIN_HELP, add_train_flags, overrides
 
 # Subcommands whose parser lives in the subsystem's own cli module.
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(SUBSYSTEM_COMMANDS[argv[0]])
         return module.main(argv[1:])
 
-    parser = argparse.ArgumentParser(prog="frugaltrain", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="frugaltrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_flags(sub.add_parser("train", help=TRAIN_HELP))
     p = sub.add_parser("report", help="re-render the summary table and plots of a run")
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"frugaltrain: error: {e}", file=sys.stderr)
         return 2
+    except WorkerFailed as e:  # raised in a worker; its traceback is in the run directory
+        print(f"frugaltrain: error: {e}", file=sys.stderr)
+        return e.exit_code
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -3,6 +3,7 @@ config (training.py). FlowTrain (flow/config.py) and the simulator (sim/config.p
 on the same base."""
 
 from frugaltrain.config.base import (
+    ArgumentParser,
     ConfigError,
     Section,
     add_set_flag,
@@ -35,6 +36,7 @@ def load_config(path=None, overrides: list[str] | None = None) -> Config:
 
 
 __all__ = [
+    "ArgumentParser",
     "CODECS",
     "FGD_PRESETS",
     "INNER_OPTIMIZERS",

@@ -20,7 +20,7 @@ import types
 import typing
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import tomllib
 
@@ -180,6 +180,14 @@ def read_toml(path: str | Path) -> dict:
 def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
     """Build config class `cls` from an optional TOML file plus `--set` overrides."""
     return build_config(cls, read_toml(path) if path else {}, overrides)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (`PROG: error: MESSAGE; see PROG
+    --help`, exit code 2), like every other input error, instead of usage plus the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def add_set_flag(parser: argparse.ArgumentParser, example: str = "outer.H=50") -> None:

@@ -10,6 +10,7 @@ and takes its list of names from here.
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ OUTER_KEYS = {
         *("fragments", "overlap", "merge_alpha"),
     ),
 }
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
 MODEL_FAMILIES = ("gpt", "llama", "qwen2", "gpt2", "hf")  # built in models/__init__.py
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
@@ -94,6 +96,12 @@ class RunSection(Section):
     'drop:p=0.1' (see frugaltrain.faults)."""
 
     def check(self) -> None:
+        self.require(
+            _PLAIN_NAME.fullmatch(self.name) is not None and self.name not in (".", ".."),
+            "name",
+            "must be a plain name (letters, digits, '.', '_', '-'): the run directory is "
+            "run.out_dir/run.name; set run.out_dir to put runs elsewhere",
+        )
         for name in ("workers", "steps", "eval_batches"):
             self.at_least(name, 1)
         self.at_least("eval_every", 0, "0: end only")
@@ -395,6 +403,7 @@ class Config:
             )
         if o.strategy == "streaming":
             _check_streaming(o, m)
+        _check_faults(r, o)
 
 
 def _check_streaming(o: OuterSection, m: ModelSection) -> None:
@@ -406,3 +415,23 @@ def _check_streaming(o: OuterSection, m: ModelSection) -> None:
         o.fragments,
         f"cannot exceed model.n_layer = {m.n_layer} (fragments are groups of blocks)",
     )
+
+
+def _check_faults(r: RunSection, o: OuterSection) -> None:
+    """Every injected fault names a worker of this run and fires in one of its rounds."""
+    rounds = -(-r.steps // o.H)
+    for fault in faults.parse(r.inject):
+        require(
+            fault.worker < r.workers,
+            "run.inject",
+            r.inject,
+            f"{fault.kind} names worker {fault.worker} but run.workers = {r.workers} "
+            f"(workers 0 to {r.workers - 1})",
+        )
+        require(
+            fault.round <= rounds,
+            "run.inject",
+            r.inject,
+            f"{fault.kind} fires in round {fault.round} but the run has {rounds} rounds "
+            f"(run.steps / outer.H); it would never fire",
+        )

@@ -60,7 +60,20 @@ def _list_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
 
 
 def _is_text(data: bytes) -> bool:
-    return b"\x00" not in data[:4096]
+    """No NUL byte anywhere: text (of any encoding; byte tokens take every byte)."""
+    return b"\x00" not in data
+
+
+def binary_offset(path: Path) -> int | None:
+    """The byte offset of the first NUL byte of `path` (binary data), read in 1 MiB blocks;
+    None for a text file."""
+    offset = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            if (i := block.find(b"\x00")) >= 0:
+                return offset + i
+            offset += len(block)
+    return None
 
 
 def _doc_hash(rel: str) -> int:
@@ -113,7 +126,13 @@ def load_corpus(
             data = p.read_bytes()
         except OSError:
             continue
-        if not data or not _is_text(data):
+        if data and not _is_text(data) and root.is_file():
+            offset = data.index(b"\x00")
+            raise ConfigError(
+                f"data.path = {path!r}: binary data (a NUL byte) at byte offset {offset}; give "
+                "text files"
+            )
+        if not data or not _is_text(data):  # binary files in a directory are skipped
             continue
         if max_bytes:
             data = data[: max_bytes - total]

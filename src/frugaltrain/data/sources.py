@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from frugaltrain.config import ConfigError
-from frugaltrain.data.corpus import _doc_hash, _is_text, _list_files, stdlib_root
+from frugaltrain.data.corpus import _doc_hash, _list_files, binary_offset, stdlib_root
 
 _JSON = (".jsonl", ".json")
 _PARQUET = (".parquet",)
@@ -84,16 +84,12 @@ def resolve_input(input: str, *, text_field: str = "text", max_bytes: int = 0) -
         for f in parquet or jsonl:
             _check_field(f, kind, text_field)
         return Source(kind=kind, files=parquet or jsonl, base=base, label=str(root), limits={})
-    if root.is_file() and not _is_text_file(root):
+    if root.is_file() and (offset := binary_offset(root)) is not None:
         raise ConfigError(
-            f"--input {input!r}: is a binary file; give UTF-8 text, JSONL (.jsonl) or Parquet"
+            f"--input {input!r}: binary data (a NUL byte) at byte offset {offset}; give UTF-8 "
+            "text, JSONL (.jsonl) or Parquet"
         )
     return _text_source(files, base, str(root), max_bytes)
-
-
-def _is_text_file(path: Path) -> bool:
-    with open(path, "rb") as fh:
-        return _is_text(fh.read(4096))
 
 
 def _text_source(files: list[Path], base: Path, label: str, max_bytes: int) -> Source:
@@ -107,7 +103,7 @@ def _text_source(files: list[Path], base: Path, label: str, max_bytes: int) -> S
             break
         try:
             size = p.stat().st_size
-            if size == 0 or not _is_text_file(p):  # binary files are skipped, as in corpus.py
+            if size == 0 or binary_offset(p) is not None:  # binary: skipped, as in corpus.py
                 continue
         except OSError:
             continue

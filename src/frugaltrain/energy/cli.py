@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import tomllib
 
+from frugaltrain.config import ArgumentParser
 from frugaltrain.energy.meter import open_meter
 from frugaltrain.energy.models import (
     EnergyPredictor,
@@ -259,7 +260,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="frugaltrain energy", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="frugaltrain energy", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="verb", required=True)
     m = sub.add_parser("measure", help="energy of a command (measured, or a labelled estimate)")
     m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")

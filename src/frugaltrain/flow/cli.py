@@ -12,14 +12,14 @@ import argparse
 import json
 import sys
 
-from frugaltrain.config import ConfigError, add_set_flag
+from frugaltrain.config import ArgumentParser, ConfigError, add_set_flag
 from frugaltrain.flow.config import load_flow_config
 from frugaltrain.flow.plan import plan
 from frugaltrain.flow.train import train
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="frugaltrain flow", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="frugaltrain flow", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("train", "run one mode; write metrics, trace and timeline"),

@@ -46,6 +46,27 @@ def model_dims(cfg: Config) -> dict[str, int]:
     return hf_dims(cfg)
 
 
+def memory_estimate(cfg: Config) -> dict[str, int]:
+    """Bytes one worker needs, estimated before anything is built (the model is built on the
+    meta device, which allocates nothing): its parameters held in fp32 seven times (weights,
+    gradients, two AdamW moments, outer parameters, outer momentum, pseudo-gradient), and one
+    step's activations: per token, 68 d + 10 heads T bytes per block kept for backward (Korthikanti
+    et al., 2022, in fp32) and the logits three times (values, softmax, gradient)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    m, d = cfg.model, cfg.data
+    layers, width, heads = m.n_layer, m.n_embd, m.n_head
+    if m.family == "hf":
+        hf = model.hf.config
+        layers, width = hf.num_hidden_layers, hf.hidden_size
+        heads = hf.num_attention_heads
+    vocab = model_dims(cfg)["vocab_size"]
+    tokens = d.batch_size * d.seq_len
+    per_token = layers * (68 * width + 10 * heads * d.seq_len) + 12 * vocab
+    return {"params": params, "state_bytes": 28 * params, "activation_bytes": tokens * per_token}
+
+
 def train_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
     """Analytic forward + backward FLOPs of one training token, matmuls only: 2 per weight of
     every linear layer (the LM head included) plus the attention scores QK^T and A.V (full s x s,

@@ -78,6 +78,8 @@ def hf_config(cfg: Config):
             n_head=m.n_head,
             n_inner=intermediate_size(m),
             n_positions=seq_len,
+            bos_token_id=None,  # GPT-2's 50256 is outside a small vocabulary
+            eos_token_id=None,
             **drop,
             **common,
         )

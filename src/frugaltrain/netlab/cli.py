@@ -10,16 +10,15 @@ Needs root (namespaces, tc); without it every verb prints why and exits with sta
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from frugaltrain.config import ConfigError, to_toml
+from frugaltrain.config import ArgumentParser, ConfigError, to_toml
 
 
 def _train_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
     from frugaltrain.train.flags import add_train_flags, overrides
 
-    parser = argparse.ArgumentParser(prog="frugaltrain netlab run")
+    parser = ArgumentParser(prog="frugaltrain netlab run")
     add_train_flags(parser)
     args = parser.parse_args(rest)
     if args.resume:
@@ -28,7 +27,7 @@ def _train_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="frugaltrain netlab", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="frugaltrain netlab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("check", help="measure a shaped link between two namespaces")
     p.add_argument("--rate-mbit", type=float, default=50.0, help="link limit, Mbit/s")

@@ -48,7 +48,7 @@ class StreamingDiLoCo(OuterRound):
         **outer,
     ) -> None:
         super().__init__(model, comm, **outer)
-        owner = _fragment_of(self.names, fragments)
+        owner = self.fragment_of(self.names, fragments)
         self.P = fragments
         self.tau = overlap
         self.alpha = merge_alpha
@@ -85,15 +85,18 @@ class StreamingDiLoCo(OuterRound):
         outer, inner = self._slice(k, self.outer), self._slice(k, self.params)
         outer_step(self.opt, outer, deltas, inner, self.alpha)
 
+    @staticmethod
+    def fragment_of(names: list[str], P: int) -> list[int]:
+        """The fragment of each parameter (models.parts.fragments); every fragment owns one."""
+        owner = fragments(names, P)
+        empty = sorted(set(range(P)) - set(owner))
+        if empty:
+            raise ValueError(
+                f"outer.fragments = {P}: fragments {empty} own no parameter; lower outer.fragments"
+            )
+        return owner
+
     def state_dict(self) -> dict:
         if self._pending:
             raise RuntimeError("checkpoint taken with fragments in flight; save at round ends")
         return super().state_dict()
-
-
-def _fragment_of(names: list[str], P: int) -> list[int]:
-    owner = fragments(names, P)
-    empty = sorted(set(range(P)) - set(owner))
-    if empty:
-        raise ValueError(f"streaming fragments {empty} own no parameter; lower outer.fragments")
-    return owner

@@ -7,16 +7,15 @@ an optional [sim] table (sim/config.py); every time figure it prints is simulate
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from frugaltrain.config import ConfigError, add_set_flag
+from frugaltrain.config import ArgumentParser, ConfigError, add_set_flag
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="frugaltrain simulate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="frugaltrain simulate", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", help="TOML config (training sections plus [sim])")
     add_set_flag(p, "sim.ratio=0.887")
     p.add_argument("--out", help="run directory (default: run.out_dir/run.name-sim)")

@@ -10,13 +10,12 @@ with global Mix1 and a global Mix2 over models.parts.select(<subset>) (e.g. M2:e
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-from frugaltrain.config import ConfigError, add_set_flag
+from frugaltrain.config import ArgumentParser, ConfigError, add_set_flag
 
 METHODS: dict[str, list[str]] = {
     "ddp": ["outer.strategy=ddp"],
@@ -66,6 +65,7 @@ def run_compare(
             per_seed = [f"run.seed={seed}"] + ([f"sim.fault_seed={seed}"] if own_faults else [])
             cfg, sim = load_sim_config(config, [*sets, *method_overrides(m), *per_seed])
             plans.append((m, seed, cfg, sim))
+    out.mkdir(parents=True, exist_ok=True)  # only once every config is valid
     for m, seed, cfg, sim in plans:
         run_dir = out / _safe(m) / f"seed{seed}"
         if (run_dir / "summary.json").is_file():
@@ -338,7 +338,7 @@ def _plot_pareto(out: Path, runs: _Runs, key: str, label: str, tag: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="frugaltrain compare", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="frugaltrain compare", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", help="TOML config (training sections plus [sim])")
     p.add_argument(
         "--methods",
@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     try:
+        if args.report_only and not out.is_dir():
+            raise ConfigError(f"--out {out}: no such directory; run without --report-only first")
         if not args.report_only:
             run_compare(
                 args.config, methods, [int(s) for s in args.seeds.split(",")], args.set, out

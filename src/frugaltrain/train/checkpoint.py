@@ -1,8 +1,13 @@
-"""Checkpoints: all state of every worker, written atomically, refused loudly when they don't fit.
+"""Checkpoints: all state of every worker, written atomically, verified before they are used.
 
-Layout: RUN_DIR/checkpoints/round_000010/worker_0.pt ... worker_{M-1}.pt, then COMPLETE (JSON).
-Each file is written to a temporary name and renamed, and COMPLETE is written last by worker 0
-after all workers finished, so a crash never leaves a half checkpoint that `--resume` would take.
+Layout: RUN_DIR/checkpoints/round_000010/worker_0.pt ... worker_{M-1}.pt, a `.sha256` beside each
+(hashed while it is written, not read back), then COMPLETE: a JSON manifest with the round, the
+config fingerprint and the SHA-256 of every worker file, written last by one worker per machine
+after all workers finished. Every file is written to a temporary name and renamed; a write that
+fails removes its temporary file and leaves the files before it untouched. So a crash never
+leaves a checkpoint that `--resume` would take half written, and a file changed afterwards (a
+flipped bit) is caught by its hash: `--resume` then falls back to the newest intact checkpoint
+and says so.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +38,43 @@ def digest(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _atomic_write(path: Path, write) -> None:
+class _Hashing:
+    """A file wrapper that hashes what is written through it."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _atomic_write(path: Path, write) -> str:
+    """Write `path` through `write(file)` under a temporary name, fsync, rename; returns the
+    SHA-256 of the bytes. On any failure the temporary file is removed and the error raised."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            hashing = _Hashing(f)
+            write(hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return hashing.sha.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
 
 
 def round_dir(run_dir: Path, round_idx: int) -> Path:
@@ -48,34 +84,75 @@ def round_dir(run_dir: Path, round_idx: int) -> Path:
 def save_worker(run_dir: Path, round_idx: int, rank: int, state: dict) -> None:
     d = round_dir(run_dir, round_idx)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic_write(d / f"worker_{rank}.pt", lambda f: torch.save(state, f))
+    sha = _atomic_write(d / f"worker_{rank}.pt", lambda f: torch.save(state, f))
+    _atomic_write(d / f"worker_{rank}.pt.sha256", lambda f: f.write(sha.encode()))
 
 
 def mark_complete(run_dir: Path, round_idx: int, step: int, cfg: Config) -> None:
+    """The manifest of this machine's worker files (their hashes from the `.sha256` beside them)."""
+    d = round_dir(run_dir, round_idx)
+    files = {p.name[: -len(".sha256")]: p.read_text() for p in sorted(d.glob("*.pt.sha256"))}
     meta = {
         "round": round_idx,
         "step": step,
         "workers": cfg.run.workers,
         "fingerprint": digest(config_fingerprint(cfg)),
+        "files": files,
     }
-    path = round_dir(run_dir, round_idx) / "COMPLETE"
-    _atomic_write(path, lambda f: f.write(json.dumps(meta).encode()))
+    _atomic_write(d / "COMPLETE", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+
+def completed(run_dir: Path) -> list[Path]:
+    """Round directories with a COMPLETE manifest, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p.parent for p in root.glob("round_*/COMPLETE")) if root.is_dir() else []
 
 
 def latest_complete(run_dir: Path) -> Path | None:
-    root = Path(run_dir) / "checkpoints"
-    done = sorted(p.parent for p in root.glob("round_*/COMPLETE")) if root.is_dir() else []
+    done = completed(run_dir)
     return done[-1] if done else None
 
 
-def check_resumable(ckpt_dir: Path, cfg: Config) -> dict:
-    """The COMPLETE marker of `ckpt_dir` if `cfg` can resume from it; a ConfigError naming the
-    mismatch otherwise. Called before any worker starts, and again by each worker."""
-    meta_path = ckpt_dir / "COMPLETE"
+def verify(ckpt_dir: Path) -> None:
+    """Every worker file of the manifest that is on this machine has its recorded SHA-256; a
+    ConfigError names the first that does not (or that is missing while its hash file is not)."""
+    meta = _manifest(ckpt_dir)
+    for name, sha in meta.get("files", {}).items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            if (ckpt_dir / f"{name}.sha256").is_file():
+                raise ConfigError(f"checkpoint file {path} is missing; its hash is there")
+            continue  # another machine's worker: verified there
+        if _sha256(path) != sha:
+            raise ConfigError(
+                f"checkpoint file {path} does not match its SHA-256 in {ckpt_dir / 'COMPLETE'} "
+                "(changed or corrupted after it was written)"
+            )
+
+
+def latest_intact(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files match their hashes; each newer one that does
+    not is reported with a warning (resume falls back to the one before)."""
+    for ckpt in reversed(completed(run_dir)):
+        try:
+            verify(ckpt)
+            return ckpt
+        except ConfigError as e:
+            warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+    return None
+
+
+def _manifest(ckpt_dir: Path) -> dict:
     try:
-        meta = json.loads(meta_path.read_text())
+        return json.loads((ckpt_dir / "COMPLETE").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"checkpoint {ckpt_dir}: unreadable COMPLETE marker ({e})") from e
+        raise ConfigError(f"checkpoint {ckpt_dir}: unreadable COMPLETE manifest ({e})") from e
+
+
+def check_resumable(ckpt_dir: Path, cfg: Config) -> dict:
+    """The manifest of `ckpt_dir` if `cfg` can resume from it; a ConfigError naming the
+    mismatch otherwise. Called before any worker starts, and again by each worker."""
+    meta = _manifest(ckpt_dir)
     if meta["workers"] != cfg.run.workers:
         raise ConfigError(
             f"checkpoint {ckpt_dir} was written by {meta['workers']} workers but run.workers = "
@@ -94,9 +171,16 @@ def load_worker(ckpt_dir: Path, rank: int, cfg: Config) -> dict[str, Any]:
     check_resumable(ckpt_dir, cfg)
     path = ckpt_dir / f"worker_{rank}.pt"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises several types for truncated or foreign files
         raise ConfigError(
             f"checkpoint file {path} is corrupt or unreadable ({type(e).__name__}: {e}); "
             "delete that round's directory to resume from the previous checkpoint"
         ) from e
+    missing = {"model", "inner", "schedule", "outer", "rng", "step", "round"} - set(state)
+    if missing:
+        raise ConfigError(
+            f"checkpoint file {path} lacks {', '.join(sorted(missing))}: not a frugaltrain "
+            "worker state; resume from a checkpoint this version wrote"
+        )
+    return state

@@ -17,10 +17,23 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.comm import LocalComm
-from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
+from frugaltrain.config import (
+    FGD_PRESETS,
+    OUTER_KEYS,
+    Config,
+    ConfigError,
+    build_config,
+    load_config,
+    read_toml,
+    to_dict,
+    to_toml,
+)
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
-from frugaltrain.models import model_dims
+from frugaltrain.models import build_model, memory_estimate, model_dims
+from frugaltrain.models.parts import select
+from frugaltrain.outer.streaming import StreamingDiLoCo
 from frugaltrain.train import checkpoint
+from frugaltrain.train.failures import failure_of, report_failure
 from frugaltrain.train.loop import train_worker
 from frugaltrain.train.supervisor import backend, run_local, worker_threads
 
@@ -62,6 +75,74 @@ def check_data(cfg: Config) -> None:
             0,
         )
     BatchSampler(corpus.val, d.seq_len, d.batch_size, 0)
+
+
+_PROCESS_BYTES = 500 << 20  # a worker process with torch (and transformers) imported
+_GB = 1 << 30
+
+
+def check_model(cfg: Config) -> None:
+    """The model builds as configured and the strategy's named parts exist in it (built on the
+    meta device: nothing is allocated), and a GPU is there if the run asks for one."""
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device = 'cuda': torch sees no GPU; use run.device = 'cpu'")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    o = cfg.outer
+    try:
+        if o.strategy == "fgd":
+            mixing = {"mix2": o.mix2, "mix2_params": o.mix2_params, **FGD_PRESETS.get(o.preset, {})}
+            if mixing["mix2"] != "none":
+                select(names, mixing["mix2_params"])
+        if o.strategy == "streaming":
+            StreamingDiLoCo.fragment_of(names, o.fragments)
+    except ValueError as e:  # a part that names nothing in this model
+        raise ConfigError(str(e)) from None
+    check_memory(cfg)
+
+
+def check_memory(cfg: Config) -> None:
+    """Refuse a run whose estimated memory (models.memory_estimate, per worker, times the
+    workers on this machine) exceeds the available RAM, or a GPU's free memory."""
+    est = memory_estimate(cfg)
+    per_worker = est["state_bytes"] + est["activation_bytes"]
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.workers))
+    fix = "use a smaller model (model.n_layer, model.n_embd), fewer workers (run.workers) or a "
+    fix += "smaller batch (data.batch_size, data.seq_len)"
+    parts = (
+        f"{est['params'] / 1e6:.1f}M parameters: {est['state_bytes'] / _GB:.2f} GB of weights and "
+        f"optimizer states, {est['activation_bytes'] / _GB:.2f} GB of activations per worker"
+    )
+    if cfg.run.device == "cuda" and torch.cuda.is_available():
+        per_gpu = per_worker * -(-here // torch.cuda.device_count())
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        if per_gpu > free:
+            raise ConfigError(
+                f"memory: estimated {per_gpu / _GB:.1f} GB per GPU ({parts}) but "
+                f"{free / _GB:.1f} GB is free; {fix}"
+            )
+        per_worker = 0  # on the GPU, not in RAM
+    need, available = here * (per_worker + _PROCESS_BYTES), _available_ram()
+    if available is not None and need > available:
+        raise ConfigError(
+            f"memory: estimated {need / _GB:.1f} GB for {here} workers on this machine ({parts}) "
+            f"but {available / _GB:.1f} GB of RAM is available; {fix}"
+        )
+
+
+def _available_ram() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else free physical pages; None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def under_torchrun() -> bool:
@@ -111,7 +192,10 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         return
     if cfg.run.workers == 1:
         torch.set_num_threads(worker_threads(cfg))
-        train_worker(cfg, LocalComm(), run_dir, resume_from)
+        try:
+            train_worker(cfg, LocalComm(), run_dir, resume_from)
+        except Exception as e:  # as from a worker process: one line, the traceback in a log
+            raise failure_of(run_dir, 0, report_failure(run_dir, 0, e)) from e
         return
     run_local(cfg, run_dir, resume_from)
 
@@ -119,29 +203,61 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
 def prepare(config_path: str | None, overrides: list[str], resume: str | None):
     """Build the config and run directory (new, or an existing one to resume)."""
     if resume:
-        run_dir = Path(resume)
-        saved = run_dir / "config.toml"
-        if not saved.is_file():
-            raise ConfigError(f"--resume {resume}: no config.toml there; pass a run directory")
-        # A resumed run goes to the end unless a new stop is asked for explicitly.
-        cfg = build_config(Config, read_toml(saved), ["run.stop_at_round=0", *overrides])
-        ckpt = checkpoint.latest_complete(run_dir)
-        if ckpt is None:
-            raise ConfigError(
-                f"--resume {resume}: no complete checkpoint under "
-                f"{run_dir / 'checkpoints'}; start a new run instead"
-            )
-        checkpoint.check_resumable(ckpt, cfg)  # here, not in N worker tracebacks
-        check_data(cfg)
+        cfg, run_dir, ckpt = _resumable(config_path, overrides, resume)
         if under_torchrun():  # every rank was given the same directory
             _join_torchrun(cfg)
         return cfg, run_dir, ckpt
     cfg = load_config(config_path, overrides)
+    check_model(cfg)
     check_data(cfg)
     if under_torchrun():
         _join_torchrun(cfg)
         return cfg, _shared_run_dir(cfg), None
     return cfg, new_run_dir(cfg), None
+
+
+# What a resumed run may change: how long it runs and how it reports, not what it computes.
+RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "stop_at_round")
+RESUME_MAY_CHANGE += ("threads", "timeout_s", "mix1_deadline_s", "progress")
+
+
+def _resumable(config_path: str | None, overrides: list[str], resume: str):
+    """The saved config (with the allowed changes), the run directory and the newest intact
+    checkpoint, all checked before any worker starts."""
+    run_dir = Path(resume)
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {resume}: no config.toml there; pass a run directory")
+    raw = read_toml(saved)
+    if config_path:  # allowed only for keys a resumed run may change
+        given, kept = to_dict(load_config(config_path)), to_dict(build_config(Config, raw))
+        changed = [
+            f"{section}.{key}"
+            for section, values in given.items()
+            for key, value in values.items()
+            if kept[section][key] != value
+            and not (section == "run" and key in RESUME_MAY_CHANGE + ("name", "out_dir"))
+        ]
+        if changed:
+            may = ", ".join(f"run.{k}" for k in RESUME_MAY_CHANGE)
+            raise ConfigError(
+                f"--config {config_path} differs from {saved} in {', '.join(changed)}, which a "
+                f"resumed run keeps; drop --config, or change only {may}"
+            )
+        raw["run"].update({k: v for k, v in given["run"].items() if k in RESUME_MAY_CHANGE})
+    # A resumed run goes to the end unless a new stop is asked for explicitly.
+    cfg = build_config(Config, raw, ["run.stop_at_round=0", *overrides])
+    ckpt = checkpoint.latest_intact(run_dir)
+    if ckpt is None:
+        what = "intact" if checkpoint.latest_complete(run_dir) else "complete"
+        raise ConfigError(
+            f"--resume {resume}: no {what} checkpoint under {run_dir / 'checkpoints'}; "
+            "start a new run instead"
+        )
+    checkpoint.check_resumable(ckpt, cfg)  # here, not in N worker tracebacks
+    check_model(cfg)
+    check_data(cfg)
+    return cfg, run_dir, ckpt
 
 
 def train_from_cli(
@@ -150,6 +266,8 @@ def train_from_cli(
     from frugaltrain.metrics.report import format_comparison, report
 
     torchrun = under_torchrun()
+    if baseline and baseline not in OUTER_KEYS:
+        raise ConfigError(f"--baseline {baseline!r}: choose one of {', '.join(OUTER_KEYS)}")
     if baseline and torchrun:
         raise ConfigError("--baseline runs a second local run; launch the baseline on its own")
     cfg, run_dir, ckpt = prepare(config_path, overrides, resume)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from frugaltrain.comm import rendezvous
 from frugaltrain.config import Config, build_config, to_toml
+from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps dying is a bug, not a fault to ride out
@@ -75,12 +76,10 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
             start(rank)
         while len(finished) < cfg.run.workers:
             time.sleep(0.1)
-            for rank in _exited(procs, finished, store, cfg):
+            for rank in _exited(procs, finished, store, cfg, run_dir):
                 if restarts[rank] >= MAX_RESTARTS:
-                    raise RuntimeError(
-                        f"worker {rank} exited with code {procs[rank].exitcode} after "
-                        f"{restarts[rank]} restarts; see its output above"
-                    )
+                    failed = failure_of(run_dir, rank, procs[rank].exitcode)
+                    raise WorkerFailed(f"{failed} after {restarts[rank]} restarts")
                 restarts[rank] += 1
                 print(
                     f"[launcher] worker {rank} exited with code {procs[rank].exitcode}; restarting "
@@ -98,17 +97,18 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
     return restarts
 
 
-def _exited(procs: dict, finished: set[int], store: dist.TCPStore, cfg: Config) -> list[int]:
+def _exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -> list[int]:
     """Workers that exited since the last look and must be restarted; the ones that finished
-    are added to `finished`. Without fault tolerance a failed worker ends the run."""
+    are added to `finished`. Without fault tolerance, or for bad input, a failed worker ends the
+    run (WorkerFailed)."""
     failed = []
     for rank, p in list(procs.items()):
         if rank in finished or p.is_alive():
             continue
         if p.exitcode == 0:
             finished.add(rank)
-        elif not cfg.run.fault_tolerance:
-            raise RuntimeError(f"worker {rank} exited with code {p.exitcode}; see its output above")
+        elif not cfg.run.fault_tolerance or p.exitcode == BAD_INPUT_EXIT:
+            raise failure_of(run_dir, rank, p.exitcode)
         elif store.check(["ft/done"]):
             finished.add(rank)  # died after training ended: nothing to rejoin
         else:
@@ -157,9 +157,16 @@ def _worker(rank: int, cfg_toml: str, run_dir: str, host: str, port: int, resume
     cfg = build_config(Config, tomllib.loads(cfg_toml))
     torch.set_num_threads(worker_threads(cfg))
     store = dist.TCPStore(host, port, is_master=False, timeout=_store_timeout(cfg))
-    if cfg.run.fault_tolerance:
-        _elastic_worker(cfg, rank, store, run_dir, host, port, resume)
-        return
+    try:
+        if cfg.run.fault_tolerance:
+            _elastic_worker(cfg, rank, store, run_dir, host, port, resume)
+        else:
+            _plain_worker(cfg, rank, store, run_dir, resume)
+    except Exception as e:  # one line for the launcher, the traceback in the run directory
+        sys.exit(report_failure(run_dir, rank, e))
+
+
+def _plain_worker(cfg: Config, rank: int, store, run_dir: str, resume: str | None) -> None:
     from frugaltrain.comm.torchdist import TorchDistComm
 
     timeout = timedelta(seconds=cfg.run.timeout_s)
