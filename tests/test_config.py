@@ -34,6 +34,8 @@ def test_key_set_is_pinned():
             "progress",
             "fault_tolerance",
             "mix1_deadline_s",
+            "guard",
+            "guard_factor",
             "inject",
         ],
         "data": [

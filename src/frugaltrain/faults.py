@@ -15,6 +15,10 @@ Specs are `;`-separated, each `kind:key=value,...`:
                                the machine is (factor= and seconds= may be combined)
     drop:p=0.1                 each gossip message a worker receives is dropped with probability p
                                (deterministic by seed; the receiver renormalizes its row)
+    corrupt:worker=1,round=3,value=1e30
+                               everything worker 1 sends in round 3 (pseudo-gradients,
+                               parameters) is garbage: value = nan, inf, 1e30 (finite but
+                               absurd) or bitflip (the top exponent bit of one number flipped)
 
 Kill, hang and partition fire only in a worker's first incarnation, so a restarted worker does not
 repeat them.
@@ -33,7 +37,9 @@ _KEYS = {"kill": {"worker", "round"}, "hang": {"worker", "round"}}
 _KEYS["slow"] = {"worker", "factor", "seconds"}
 _KEYS["drop"] = {"p"}
 _KEYS["partition"] = {"worker", "round", "seconds"}
-_ONCE = ("kill", "hang", "partition")  # faults that fire at one step of one worker
+_KEYS["corrupt"] = {"worker", "round", "value"}
+_ONCE = ("kill", "hang", "partition", "corrupt")  # faults that fire once, in one round
+CORRUPTIONS = ("nan", "inf", "1e30", "bitflip")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Fault:
     factor: float = 1.0
     p: float = 0.0
     seconds: float = 0.0
+    value: str = ""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -51,10 +58,11 @@ def parse(spec: str) -> list[Fault]:
     faults = []
     for part in filter(None, (s.strip() for s in spec.split(";"))):
         kind, _, args = part.partition(":")
+        corruption = None
         if kind not in _KEYS:
             raise ValueError(
                 f"run.inject part {part!r}: unknown fault {kind!r}; use kill, hang, partition, "
-                "slow or drop (e.g. 'kill:worker=2,round=5')"
+                "slow, drop or corrupt (e.g. 'kill:worker=2,round=5')"
             )
         values: dict[str, float] = {}
         for item in filter(None, (a.strip() for a in args.split(","))):
@@ -63,11 +71,22 @@ def parse(spec: str) -> list[Fault]:
                 raise ValueError(
                     f"run.inject part {part!r}: expected keys {sorted(_KEYS[kind])} as key=value"
                 )
-            values[key] = float(value)
+            if key == "value":
+                if value not in CORRUPTIONS:
+                    raise ValueError(
+                        f"run.inject part {part!r}: value must be one of {', '.join(CORRUPTIONS)}"
+                    )
+                corruption = value
+                continue
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"run.inject part {part!r}: {key} must be a number") from None
+        given = set(values) | ({"value"} if corruption else set())
         if kind == "slow":
-            if not {"factor", "seconds"} & set(values):
+            if not {"factor", "seconds"} & given:
                 raise ValueError(f"run.inject part {part!r}: needs factor= or seconds=")
-        elif not _KEYS[kind] <= set(values):
+        elif not _KEYS[kind] <= given:
             raise ValueError(f"run.inject part {part!r}: needs {sorted(_KEYS[kind])}")
         if kind == "drop" and not 0.0 <= values["p"] < 1.0:
             raise ValueError(f"run.inject part {part!r}: p must be in [0, 1)")
@@ -87,6 +106,7 @@ def parse(spec: str) -> list[Fault]:
                 factor=values.get("factor", 1.0),
                 p=values.get("p", 0.0),
                 seconds=values.get("seconds", 0.0),
+                value=corruption if kind == "corrupt" else "",
             )
         )
     return faults
@@ -104,9 +124,12 @@ class Injector:
         self.partition_s = max([f.seconds for f in mine if f.kind == "partition"], default=0.0)
         # A fault "mid-round r" fires after step (r - 1) H + ceil(H / 2).
         self.stops = {}
+        self.corrupt: dict[int, str] = {}  # round -> corruption of what this worker sends
         if first_incarnation:
             for f in mine:
-                if f.kind in _ONCE:
+                if f.kind == "corrupt":
+                    self.corrupt[f.round] = f.value
+                elif f.kind in _ONCE:
                     self.stops[(f.round - 1) * H + (H + 1) // 2] = f.kind
         self.seed = seed
 
@@ -123,6 +146,19 @@ class Injector:
             return False
         rng = np.random.default_rng([self.seed, epoch, seq, src, dst, 0xD20])
         return bool(rng.random() < self.drop_p)
+
+
+def corrupt_(tensors: list, value: str) -> None:
+    """Overwrite `tensors` (in place) with the corruption `value` (CORRUPTIONS)."""
+    import torch
+
+    if value == "bitflip":  # the top exponent bit of the first number: x -> x * 2^128 or so
+        first = next(t for t in tensors if t.numel())
+        bits = first.detach().view(-1)[:1].view(torch.int32)
+        bits.bitwise_xor_(1 << 30)
+        return
+    for t in tensors:
+        t.fill_(float(value))
 
 
 def fire(kind: str) -> None:

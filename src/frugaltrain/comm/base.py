@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from frugaltrain.comm import compress, topology
+from frugaltrain.comm.guard import Guard, Verdict, guarded_weights, norm_of, verdict
 
 
 @dataclass
@@ -113,16 +114,20 @@ class Comm:
     deterministic: reduce every all-reduce as a gather plus `weighted_sum` (order-independent,
     bit-identical to the simulator) instead of the runtime's native ring all-reduce; it moves
     (M-1) S instead of 2 (M-1)/M S bytes per worker, and is counted as such.
+    guard: keep bad contributions out of every average and mix (comm/guard.py); None: no check.
     """
 
     rank: int = 0
     world_size: int = 1
 
-    def __init__(self, *, deterministic: bool = False) -> None:
+    def __init__(self, *, deterministic: bool = False, guard: Guard | None = None) -> None:
         self.stats = CommStats()
         self.deterministic = deterministic
+        self.guard = guard
         self.members: list[int] = []
+        self.events: list[dict] = []  # records for worker 0's metrics log (drain_events)
         self._op_seq = 0
+        self._rejected_self = False
 
     @property
     def position(self) -> int:
@@ -132,22 +137,13 @@ class Comm:
     def all_reduce_mean_(
         self, tensors: list[torch.Tensor], *, blocking: bool = True, codec: str = "fp32"
     ) -> Handle:
-        """Average `tensors` in place across `members`. With blocking=False the caller must
-        `wait()` the handle before reading them. A codec other than fp32 gathers the encoded
-        payloads (a quantized sum is not associative) and reduces in fp64."""
-        n = len(self.members)
-        if n == 1 or not tensors:
+        """Average `tensors` in place across `members` (the accepted ones, under a guard). With
+        blocking=False the caller must `wait()` the handle before reading them. A codec other
+        than fp32 gathers the encoded payloads (a quantized sum is not associative) and reduces
+        in fp64."""
+        if len(self.members) == 1 or not tensors:
             return Handle(self.stats)
-        if codec == "fp32" and not self.deterministic:
-            nbytes = ring_allreduce_bytes(payload_bytes(tensors), n)
-            self.stats.bytes_sent += nbytes
-            self.stats.bytes_received += nbytes
-            handle = self._all_reduce_sum(tensors, scale=1.0 / n)
-        else:
-            handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec)
-        if blocking:
-            handle.wait()
-        return handle
+        return self._average(tensors, self._check(tensors), blocking, codec)
 
     def mix_(
         self,
@@ -161,7 +157,8 @@ class Comm:
 
         Every worker must call with the same doubly stochastic `w` (see comm.topology). A
         complete `w` is an all-reduce; otherwise each worker sends its (encoded) tensors to
-        the members in its column and receives from those in its row. Own values are exact."""
+        the members in its column and receives from those in its row. Own values are exact.
+        Under a guard, rejected members' columns are dropped and rows renormalized."""
         n = len(self.members)
         if w.shape != (n, n):
             raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
@@ -174,12 +171,75 @@ class Comm:
     ) -> Handle:
         """A validated, non-trivial mix: a complete `w` is an all-reduce, else `_mix`."""
         n = len(self.members)
+        v = self._check(tensors)
         if np.allclose(w, 1.0 / n):
-            return self.all_reduce_mean_(tensors, blocking=blocking, codec=codec)
+            return self._average(tensors, v, blocking, codec)
+        if v is not None and v.rejected:
+            w = guarded_weights(w, v)
         handle = self._mix(tensors, w, codec)
         if blocking:
             handle.wait()
         return handle
+
+    def _average(
+        self, tensors: list[torch.Tensor], v: Verdict | None, blocking: bool, codec: str
+    ) -> Handle:
+        n = len(self.members)
+        if v is not None and v.rejected:  # the mean of the accepted ones, taken by everyone
+            k = int(v.accepted.sum())
+            handle = self._mix(tensors, np.tile(v.accepted / k, (n, 1)), codec)
+        elif codec == "fp32" and not self.deterministic:
+            nbytes = ring_allreduce_bytes(payload_bytes(tensors), n)
+            self.stats.bytes_sent += nbytes
+            self.stats.bytes_received += nbytes
+            handle = self._all_reduce_sum(tensors, scale=1.0 / n)
+        else:
+            handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec)
+        if blocking:
+            handle.wait()
+        return handle
+
+    # ---- the guard (comm/guard.py)
+    def _check(self, tensors: list[torch.Tensor]) -> Verdict | None:
+        """Share the norm of this worker's contribution with the members and judge them all
+        (the same verdict everywhere); clip this worker's own contribution if it is told to.
+        Blocking: one small collective, counted as blocking time, not as traffic."""
+        self._outgoing(tensors)
+        if self.guard is None:
+            return None
+        n, me = len(self.members), self.position
+        norms = torch.zeros(n, dtype=torch.float64)
+        norms[me] = norm_of(tensors)
+        t0 = time.perf_counter()
+        self._metric_sum(norms)
+        self.stats.blocking_s += time.perf_counter() - t0
+        v = verdict(norms.numpy(), self.guard)
+        if v.scale[me] != 1.0:
+            for t in tensors:
+                t.mul_(float(v.scale[me]))
+        if not v.clean:
+            self._rejected_self |= me in v.rejected
+            self.events.append(self._rejection_record(v))
+        return v
+
+    def _rejection_record(self, v: Verdict) -> dict:
+        return {
+            "kind": "rejected",
+            "workers": [self.members[i] for i in v.rejected + v.clipped],
+            "action": "clip" if v.clipped else "reject",
+            "norms": [float(x) for x in v.norms],
+            "median": v.median,
+            "factor": self.guard.factor,
+        }
+
+    def _outgoing(self, tensors: list[torch.Tensor]) -> None:
+        """What this worker is about to send (fault injection corrupts it here)."""
+
+    def take_rejection(self) -> bool:
+        """Whether this worker's own contribution was rejected since the last call (a strategy
+        then drops what it kept locally from it, e.g. outer momentum)."""
+        rejected, self._rejected_self = self._rejected_self, False
+        return rejected
 
     def _mix(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
         me = self.position
@@ -201,7 +261,9 @@ class Comm:
 
         def finish() -> None:
             received = fetch.wait_all()  # rank -> encoded parts
-            order = [j for j in range(len(self.members)) if j == me or j in recv_from]
+            order = [
+                j for j in range(len(self.members)) if j in recv_from or (j == me and w[me, me])
+            ]
             flats = [
                 flat if j == me else compress.decode(received[self.members[j]], codec, flat.numel())
                 for j in order
@@ -272,8 +334,10 @@ class Comm:
         return {}
 
     def drain_events(self) -> list[dict]:
-        """Membership records since the last call, for worker 0's metrics log."""
-        return []
+        """Records since the last call (rejections; membership changes under fault tolerance),
+        for worker 0's metrics log."""
+        out, self.events = self.events, []
+        return out
 
     def writes_markers(self, local_rank: int) -> bool:
         """Whether this worker writes the COMPLETE marker of a checkpoint: one per machine (its

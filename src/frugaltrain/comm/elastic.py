@@ -61,8 +61,9 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
+from frugaltrain.comm.guard import Guard, norm_of, verdict
 from frugaltrain.comm.rendezvous import Membership, Round
-from frugaltrain.faults import Injector, fire
+from frugaltrain.faults import Injector, corrupt_, fire
 
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
 _HB_PERIOD_S = 0.2
@@ -114,6 +115,9 @@ class ElasticComm(Comm):
         mix1_deadline_s: longest wait for missing Mix1 messages at a round end (see above).
         injector: faults to apply to this worker (frugaltrain.faults).
         host, port: where the store listens (the heartbeat thread opens its own client).
+        guard: keeps bad contributions out (comm/guard.py). Mix1 on this runtime judges the
+            messages that arrived by their norms and this worker's own; blocking operations
+            share the norms of all members first, as on the other runtimes.
     """
 
     def __init__(
@@ -128,8 +132,9 @@ class ElasticComm(Comm):
         host: str = "127.0.0.1",
         port: int = 0,
         incarnation: int = 1,
+        guard: Guard | None = None,
     ) -> None:
-        super().__init__(deterministic=False)
+        super().__init__(deterministic=False, guard=guard)
         self.store = store
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
@@ -141,7 +146,6 @@ class ElasticComm(Comm):
         self.pg = None
         self.seq = 0
         self.log: list[_Op] = []
-        self.events: list[dict] = []  # membership records for worker 0's metrics log
         self.round = 0
         self.dropped = 0
         self.mix1_seq = 0  # Mix1 messages posted (their tag); equal on every worker per round
@@ -201,10 +205,6 @@ class ElasticComm(Comm):
             f"-> members {self.members} (epoch {self.epoch})",
             flush=True,
         )
-
-    def drain_events(self) -> list[dict]:
-        out, self.events = self.events, []
-        return out
 
     def _rendezvous(self, purpose: str) -> Round:
         """Take part in rendezvous rounds (ft/rendezvous.py) until this worker is in one whose
@@ -427,6 +427,7 @@ class ElasticComm(Comm):
             keep = [old.index(m) for m in self.members]
             w = w[np.ix_(keep, keep)]
         members, me, pg = list(self.members), self.position, self.pg
+        self._outgoing(tensors)
         send_to, recv_from = topology.peers(w, me)
         k = self.mix1_seq
         tag = (k % (1 << 20)) * _PARTS
@@ -463,7 +464,7 @@ class ElasticComm(Comm):
                 if time.monotonic() - t0 > deadline:
                     break
                 time.sleep(0.001)
-            rows, flats = [w[me, me]], [flat]
+            rows, flats, senders = [w[me, me]], [flat], [self.rank]
             for j in recv_from:
                 r = members[j]
                 if not arrived[j].is_set():
@@ -478,10 +479,36 @@ class ElasticComm(Comm):
                     continue
                 rows.append(w[me, j])
                 flats.append(compress.decode(bufs[j], codec, flat.numel()))
+                senders.append(r)
+            rows, flats = self._judge_arrivals(rows, flats, senders)
             total = sum(rows)  # rows renormalized over the messages that arrived in time
             unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
 
         return Handle(self.stats, finish, lambda: all(e.is_set() for e in arrived.values()))
+
+    def _judge_arrivals(self, rows: list, flats: list, senders: list[int]) -> tuple[list, list]:
+        """The guard on what arrived in time (this worker's own contribution first): the ones
+        rejected by their norms are left out of the row; if it is this worker's own, it takes
+        its peers' values."""
+        if self.guard is None or len(flats) < 2:
+            return rows, flats
+        v = verdict(np.array([norm_of([f]) for f in flats]), self.guard)
+        if v.clean:
+            return rows, flats
+        record = self._rejection_record(v)
+        record["workers"] = [senders[i] for i in v.rejected + v.clipped]
+        self.events.append(record)
+        self._rejected_self |= 0 in v.rejected
+        keep = [i for i in range(len(flats)) if v.accepted[i]] or [0]
+        scale = [float(v.scale[i]) for i in keep]
+        return [rows[i] for i in keep], [flats[i] * c for i, c in zip(keep, scale, strict=True)]
+
+    def _outgoing(self, tensors: list[torch.Tensor]) -> None:
+        """An injected corruption: everything this worker sends in that round is garbage."""
+        value = self.injector.corrupt.get(self.round + 1) if self.injector else None
+        if value:
+            print(f"[worker {self.rank} round {self.round + 1}] injected fault: corrupt {value}")
+            corrupt_(tensors, value)
 
     def _report(self, reason: str) -> None:
         """Mark the epoch broken; the members re-form at the next round end (or operation)."""

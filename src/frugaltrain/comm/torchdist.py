@@ -14,13 +14,20 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from frugaltrain.comm.base import Comm, Exchange, Handle
+from frugaltrain.comm.guard import Guard
 
 _PARTS = 4  # tag space per operation: one tag per encoded part
 
 
 class TorchDistComm(Comm):
-    def __init__(self, group: dist.ProcessGroup | None = None, *, deterministic: bool = False):
-        super().__init__(deterministic=deterministic)
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        deterministic: bool = False,
+        guard: Guard | None = None,
+    ):
+        super().__init__(deterministic=deterministic, guard=guard)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

@@ -90,10 +90,18 @@ class RunSection(Section):
     """Fault-tolerant runtime: the longest a worker waits at a round end for Mix1 messages still
     missing (a straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and
     the row renormalized, so Mix1 never waits on a straggler beyond this."""
+    guard: str = "reject"
+    """What happens to a contribution (pseudo-gradient or parameters) far outside the others
+    before it is averaged or mixed: reject (left out; its sender takes its peers' values), clip
+    (scaled down to run.guard_factor x the median norm) or off. Non-finite ones are always
+    rejected (comm/guard.py)."""
+    guard_factor: float = 10.0
+    """A contribution whose norm exceeds this multiple of the median of the members' norms is
+    an outlier."""
     inject: str = ""
     """Faults to inject (needs fault_tolerance), ';'-separated: 'kill:worker=2,round=5',
     'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5', 'slow:worker=1,factor=3',
-    'drop:p=0.1' (see frugaltrain.faults)."""
+    'drop:p=0.1', 'corrupt:worker=1,round=3,value=1e30' (see frugaltrain.faults)."""
 
     def check(self) -> None:
         self.require(
@@ -110,6 +118,8 @@ class RunSection(Section):
         self.one_of("dtype", ("fp32", "bf16"))
         self.positive("timeout_s")
         self.positive("mix1_deadline_s")
+        self.one_of("guard", ("reject", "clip", "off"))
+        self.require(self.guard_factor > 1, "guard_factor", "must be above 1 (the median itself)")
         self.require(
             not self.inject or self.fault_tolerance,
             "inject",

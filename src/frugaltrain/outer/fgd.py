@@ -101,9 +101,22 @@ class FactoredGossipDiLoCo(OuterRound):
         copy_all_(self.outer, mixed[:n])
         if len(mixed) > n:
             copy_all_(self.momenta(), mixed[n:])
+        if self.comm.take_rejection():  # the guard judged what this worker sent bad
+            self._resync(deltas)
         if self.momentum_policy == "reset" and self.momenta() is not None:
             for m in self.momenta():
                 m.zero_()
+
+    def _resync(self, deltas: list[torch.Tensor]) -> None:
+        """After the guard rejected this worker's contribution, it keeps only what its peers
+        sent: x_i is already their mix, its unmixed pseudo-gradients and its outer momentum
+        (built from what it sent) are dropped."""
+        mixed = self.in_mix2 or [False] * len(deltas)
+        for d, keep in zip(deltas, mixed, strict=True):
+            if not keep:
+                d.zero_()
+        for m in self.momenta() or []:
+            m.zero_()
 
     def _mix2(self, deltas: list[torch.Tensor]) -> None:
         chosen = [d for d, keep in zip(deltas, self.in_mix2, strict=True) if keep]

@@ -20,7 +20,7 @@ from torch import nn
 
 from frugaltrain.comm import Comm
 from frugaltrain.comm.topology import groups_matrix
-from frugaltrain.outer.round import OuterRound
+from frugaltrain.outer.round import OuterRound, copy_all_
 
 
 class NoLoCo(OuterRound):
@@ -56,8 +56,15 @@ class NoLoCo(OuterRound):
         w = groups_matrix(len(self.comm.members), self.group_size, self.round, self.seed)
         if not self.pull:
             self.comm.mix_(deltas, w, codec=self.codec)
+            if self.comm.take_rejection():
+                for m in self.momenta() or []:
+                    m.zero_()
             return
         means = [phi.clone() for phi in self.outer]
         self.comm.mix_(deltas + means, w, codec=self.codec)  # one exchange for both
+        if self.comm.take_rejection():  # the guard judged what this worker sent bad: take the
+            copy_all_(self.outer, means)  # group's values, drop its own momentum
+            for m in self.momenta() or []:
+                m.zero_()
         for d, phi, mean in zip(deltas, self.outer, means, strict=True):
             d.sub_(mean - phi, alpha=self.pull / self.lr)

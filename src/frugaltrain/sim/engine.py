@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import Config, to_dict, to_toml
 from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
@@ -109,7 +110,7 @@ class _Sim:
             model = copy.deepcopy(template)
             model.train()
             inner = build_inner_optimizer(model, cfg.optim)
-            comm = SimComm(self.world, i)
+            comm = SimComm(self.world, i, guard_of(r))
             shard = shard_tokens(corpus.train, i, M, d.num_shards, d.sharding)
             self.workers.append(
                 _Worker(

@@ -39,6 +39,7 @@ from frugaltrain.comm.base import (
     unflatten_into,
     weighted_sum,
 )
+from frugaltrain.comm.guard import Guard
 from frugaltrain.sim.config import SimSection
 from frugaltrain.sim.network import Network
 
@@ -246,8 +247,8 @@ class _SimStats(CommStats):
 class SimComm(Comm):
     """Virtual worker `rank`'s endpoint in `world`."""
 
-    def __init__(self, world: SimWorld, rank: int) -> None:
-        super().__init__(deterministic=False)
+    def __init__(self, world: SimWorld, rank: int, guard: Guard | None = None) -> None:
+        super().__init__(deterministic=False, guard=guard)
         self.world = world
         self.rank = rank
         self.world_size = world.M

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.comm import LocalComm
+from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import (
     FGD_PRESETS,
     OUTER_KEYS,
@@ -184,7 +185,7 @@ def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
         if owns_group:
             _join_torchrun(cfg)
         try:
-            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
+            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm, guard=guard_of(cfg.run))
             train_worker(cfg, comm, run_dir, resume_from)
         finally:
             if owns_group:

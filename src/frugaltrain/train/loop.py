@@ -149,7 +149,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
             log.flush(everything=True)
             save_checkpoint(w, run_dir, local_rank)
         comm.on_round_end(w.round, w.state)
-        log.events(comm.drain_events())
+        log.events([{"round": w.round, **e} for e in comm.drain_events()])
         if stop:
             break
     log.close()

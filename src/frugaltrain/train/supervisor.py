@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.comm import rendezvous
+from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker
@@ -173,7 +174,7 @@ def _plain_worker(cfg: Config, rank: int, store, run_dir: str, resume: str | Non
     world = cfg.run.workers
     dist.init_process_group(backend(cfg), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
+        comm = TorchDistComm(deterministic=cfg.run.deterministic_comm, guard=guard_of(cfg.run))
         train_worker(cfg, comm, Path(run_dir), Path(resume) if resume else None)
     finally:
         dist.destroy_process_group()
@@ -197,6 +198,7 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
         host=host,
         port=port,
         incarnation=incarnation,
+        guard=guard_of(cfg.run),
     )
     resume_path = Path(resume) if resume and incarnation == 1 else None
     train_worker(cfg, comm, Path(run_dir), resume_path)
