@@ -32,20 +32,23 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     blocking_s: float = 0.0
+    recovery_s: float = 0.0  # fault-tolerant runtime: detecting a failure and re-forming
 
     def copy(self) -> CommStats:
-        return CommStats(self.bytes_sent, self.bytes_received, self.blocking_s)
+        return CommStats(self.bytes_sent, self.bytes_received, self.blocking_s, self.recovery_s)
 
     def minus(self, other: CommStats) -> CommStats:
         return CommStats(
             self.bytes_sent - other.bytes_sent,
             self.bytes_received - other.bytes_received,
             self.blocking_s - other.blocking_s,
+            self.recovery_s - other.recovery_s,
         )
 
 
 class Handle:
-    """An operation in flight. `wait()` blocks until it is done (timed as blocking) and runs the
+    """An operation in flight. `wait()` blocks until it is done (timed as blocking; time the
+    fault-tolerant runtime spends recovering inside it counts as recovery instead) and runs the
     completion step (e.g. divide by M, copy back into the caller's tensors) exactly once."""
 
     def __init__(
@@ -65,9 +68,10 @@ class Handle:
     def wait(self) -> None:
         if self._finished:
             return
-        t0 = time.perf_counter()
+        t0, recovering = time.perf_counter(), self._stats.recovery_s
         self._wait_fn()
-        self._stats.blocking_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self._stats.blocking_s += spent - (self._stats.recovery_s - recovering)
         self._finished = True
 
 
@@ -210,9 +214,10 @@ class Comm:
         n, me = len(self.members), self.position
         norms = torch.zeros(n, dtype=torch.float64)
         norms[me] = norm_of(tensors)
-        t0 = time.perf_counter()
+        t0, recovering = time.perf_counter(), self.stats.recovery_s
         self._metric_sum(norms)
-        self.stats.blocking_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.stats.blocking_s += spent - (self.stats.recovery_s - recovering)
         v = verdict(norms.numpy(), self.guard)
         if v.scale[me] != 1.0:
             for t in tensors:

@@ -329,6 +329,7 @@ class ElasticComm(Comm):
                     if self._has(f"ft/ep/{op.epoch}/broken"):
                         reason = "another worker reported a failure"
                 time.sleep(0.001)
+            self.stats.recovery_s += time.monotonic() - t_wait  # the wait that found the failure
             self._recover(reason)
         return op.result
 
@@ -336,12 +337,14 @@ class ElasticComm(Comm):
     def _recover(self, reason: str) -> None:
         """Mark this epoch broken (the first reason named wins), re-rendezvous with whoever is
         alive, and re-post what was interrupted."""
+        t0 = time.monotonic()
         reason = self.store.compare_set(f"ft/ep/{self.epoch}/broken", "", reason).decode()
         old = list(self.members)
         self._rendezvous("recover")
         if self.members == old:  # e.g. a partition that healed before the others agreed
             self._event("reformed", reason=reason)
         self._settle(old, reason)
+        self.stats.recovery_s += time.monotonic() - t0
 
     def _settle(self, old: list[int], reason: str) -> None:
         """After a rendezvous: log who left, then re-post, in order, every operation from the
@@ -661,9 +664,10 @@ class ElasticComm(Comm):
         for o in self.log:  # the old epoch's operations end before the new one starts
             if not o.done:
                 self._wait(o)
-        old = list(self.members)
+        t0, old = time.monotonic(), list(self.members)
         rnd = self._rendezvous("admit")
         self._settle(old, "missed the rendezvous (no keep-alive)")
+        self.stats.recovery_s += time.monotonic() - t0  # admitting a restarted worker
         if not rnd.joiners:  # a member was recovering: the joiners wait for the next round end
             return
         for j in rnd.joiners:  # they post logging scalars from the next round on

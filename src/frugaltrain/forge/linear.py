@@ -1,11 +1,21 @@
 """The fused nn.Linear backward: input gradient with the old weight, then the update tile by tile.
 
-`install_linear(module, owner)` swaps one nn.Linear's forward for `_ForgeLinearFn`, whose backward
-    1. computes dX = dY @ W with the pre-update W (the chain rule needs the old weight),
-    2. hands (W, X, dY) to the owner (ForgeOptimizer), which forms dW one block of rows at a time
-       and applies the optimizer rule to that block at once,
-    3. returns None for the weight, so autograd never allocates W.grad.
-The bias gradient is returned normally and updated by the owner's post-accumulate-grad hook.
+`install_linear(module, owner)` swaps one nn.Linear's forward for `_ForgeLinearFn`. Its backward
+always computes dX = dY @ W with the pre-update W (the chain rule needs the old weight). Then:
+
+- in the backward of `owner.backward(loss)` (the owner is *armed*), it hands (W, X, dY) to the
+  owner (ForgeOptimizer), which forms dW one block of rows at a time and applies the optimizer
+  rule to that block at once, and returns None for the weight, so W.grad is never allocated;
+- in any other backward (torch.autograd.grad, backward(inputs=...), a plain loss.backward(), a
+  second pass over a retained graph), it is nn.Linear: it returns dW = dY^T X when that backward
+  asks for the weight's gradient and nothing else, and never updates anything.
+
+The bias gradient is returned normally (updated by the owner's post-accumulate-grad hook when
+armed). The weight enters the Function through an alias (`weight.view_as(weight)`), a non-leaf
+node of its own: the engine can then say whether the running backward needs the weight's
+gradient (`torch._C._will_engine_execute_node` refuses leaves inside autograd.grad), and the
+owner's graph check can tell the fused path (Function -> alias -> weight) from any other use of
+the weight (see optimizer._check_graph).
 
 The update writes W in place under no_grad, which bumps W's version counter: any other autograd
 node that saved W and runs later fails loudly ("modified by an inplace operation") instead of
@@ -50,8 +60,14 @@ class _ForgeLinearFn(torch.autograd.Function):
         dy_BTV = dy.reshape(-1, dy.shape[-1])
         db = dy_BTV.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         x_BTH = x.reshape(-1, x.shape[-1])
-        handle.owner._fused_linear_backward(handle, handle.module.weight, x_BTH, dy_BTV)
-        return dx, None, db, None
+        if handle.owner._armed:
+            handle.owner._fused_linear_backward(handle, handle.module.weight, x_BTH, dy_BTV)
+            return dx, None, db, None
+        # Not the optimizer's backward: nn.Linear's gradients, no update. dW only when this
+        # backward needs it (plain backward, or inputs=/autograd.grad naming the weight).
+        alias = ctx.next_functions[1][0]
+        dw = dy_BTV.t().matmul(x_BTH) if torch._C._will_engine_execute_node(alias) else None
+        return dx, dw, db, None
 
 
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -79,9 +95,10 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 f"exclude=lambda n: n.startswith('{handle.name}') to keep it on the standard path."
             )
         handle.pending = 1
-    # The weight is an input (so the output needs grad even when x does not); the backward returns
-    # None for it, so its AccumulateGrad receives nothing and W.grad is never formed.
-    return _ForgeLinearFn.apply(x, self.weight, self.bias, handle)
+    # The weight is an input (so the output needs grad even when x does not), through an alias
+    # node (module docstring); when the backward returns None for it, its AccumulateGrad
+    # receives nothing and W.grad is never formed.
+    return _ForgeLinearFn.apply(x, self.weight.view_as(self.weight), self.bias, handle)
 
 
 def install_linear(name: str, module: nn.Linear, owner) -> _LayerHandle:

@@ -29,6 +29,7 @@ def summarize(records: list[dict]) -> dict:
         "loss/val_last": vals[-1] if vals else None,
         "time/compute_s": compute,
         "time/blocking_s": blocking,
+        "time/recovery_s": sum(r.get("time/recovery_s", 0.0) for r in rounds),
         "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
         "comm/bytes_sent": sum(r["comm/bytes_sent"] for r in rounds),
         "comm/bytes_received": sum(r["comm/bytes_received"] for r in rounds),
@@ -75,6 +76,11 @@ def format_summary(summary: dict) -> str:
         (f"compute s per worker ({clock})", _fmt(summary["time/compute_s"])),
         (f"blocking comm s per worker ({clock})", _fmt(summary["time/blocking_s"])),
         (f"compute utilization ({clock})", _fmt(summary["util/compute"])),
+        *(
+            [(f"time lost to recovery s per worker ({clock})", _fmt(summary["time/recovery_s"]))]
+            if summary.get("time/recovery_s")
+            else []
+        ),
         ("bytes sent per worker (model-counted)", _fmt(summary["comm/bytes_sent"])),
         ("bytes received per worker (model-counted)", _fmt(summary["comm/bytes_received"])),
         (f"wall s ({clock})", _fmt(summary["time/wall_s"])),

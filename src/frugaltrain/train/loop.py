@@ -69,6 +69,7 @@ class Worker:
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     step: int = 0  # inner steps done; also the data cursor (a batch is a function of the step)
     round: int = 0
+    tokens: int = 0  # tokens the run trained so far, over the members of each round
 
     def state(self) -> dict:
         """Everything a checkpoint (or a rejoining peer) needs to continue this worker."""
@@ -81,6 +82,7 @@ class Worker:
             "data": self.sampler.state_dict(),
             "step": self.step,
             "round": self.round,
+            "tokens": self.tokens,
         }
 
     def load(self, state: dict, own: bool = True) -> None:
@@ -92,6 +94,8 @@ class Worker:
         self.schedule.load_state_dict(state["schedule"])
         self.strategy.load_state_dict(state["outer"])
         self.step, self.round = state["step"], state["round"]
+        tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
+        self.tokens = state.get("tokens", self.step * tokens_per_step * self.comm.world_size)
         if own:
             _set_rng_state(state["rng"], self.device)
             self.sampler.load_state_dict(state.get("data", self.sampler.state_dict()))
@@ -138,7 +142,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         joules = (reading.joules or 0.0) if meter_counts else 0.0
         no_meter = float(meter_counts and reading.joules is None)
         scalars = [loss_sum / steps, compute_s, sent.blocking_s, sent.bytes_sent]
-        scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter]
+        scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter, sent.recovery_s]
         if comm.rank == 0:
             record.update(comm.round_fields())
         log.round(record, comm.metric_mean_async(scalars), val_loss is not None)
@@ -190,6 +194,8 @@ def run_round(w: Worker, log: RoundLog) -> tuple[float, float, int, float]:
         # The outer round's blocking communication is accounted inside the comm.
         if w.strategy.after_step(w.step) or w.step >= w.cfg.run.steps:
             w.round += 1
+            # Tokens the round trained: a worker that was down for it (or died in it) trained none.
+            w.tokens += steps * w.cfg.data.batch_size * w.cfg.data.seq_len * len(w.comm.members)
             return loss_sum, compute_s, steps, lr
 
 
@@ -287,7 +293,7 @@ def round_record(w: Worker, steps: int, lr: float, wall_s: float) -> dict:
         "strategy": cfg.outer.strategy,
         "workers": M,
         "clock": "measured",
-        "tokens": w.step * tokens_per_step * M,
+        "tokens": w.tokens,
         "lr": lr,
         "time/wall_s": wall_s,
         "flops/train": flops_per_token * steps * tokens_per_step * M,

@@ -18,6 +18,7 @@ from frugaltrain.metrics.log import MetricsLog
 
 # The per-round scalars every worker posts, in this order.
 SCALARS = ("loss", "compute_s", "blocking_s", "sent", "received", "val", "joules", "no_meter")
+SCALARS += ("recovery_s",)
 
 
 class RoundLog:
@@ -74,6 +75,7 @@ class RoundLog:
                 "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
                 "comm/bytes_sent": int(mean["sent"]),
                 "comm/bytes_received": int(mean["received"]),
+                "time/recovery_s": mean["recovery_s"],
             }
         )
         if mean["no_meter"] > 0:  # a reporting worker's meter gave no reading: no total, no zero
