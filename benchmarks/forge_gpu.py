@@ -119,7 +119,10 @@ def batch(tokens: int, step: int, device: str) -> tuple[torch.Tensor, torch.Tens
 
 def train_step(model, opt, x, y) -> None:
     _, loss = model(x, y)
-    loss.backward()
+    if isinstance(opt, ForgeOptimizer):
+        opt.backward(loss)  # FORGE updates only in its own backward
+    else:
+        loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 

@@ -11,7 +11,13 @@ and each variant's ratio to torch.optim.AdamW (foreach=False, the CPU default). 
 allocator-independent (cached-but-free memory is not counted) and deterministic, so variants run
 one after another. Blind spot: scratch memory an op allocates and frees internally.
 
-    python benchmarks/forge_memory.py [--cases 10M:512,85M:4096] [--variants ...] [--out FILE]
+A case is size:tokens[:dtype]. Sizes are the built-in GPT's and `llama125M`, a transformers Llama
+built by frugaltrain.models.build_model (12 layers, width 768, 12 heads, MLP 2048, vocabulary
+32000, untied head: 134M parameters). dtype bf16 converts the model (model.to(torch.bfloat16));
+the baseline is then torch.optim.AdamW on the bf16 parameters, which keeps bf16 states.
+
+    python benchmarks/forge_memory.py [--cases 10M:512,85M:4096,llama125M:512:bf16]
+        [--variants adamw,forge,forge-int8,forge-bf16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from pathlib import Path
 
 import torch
 
+from frugaltrain.config import Config
+from frugaltrain.config.base import build_config
 from frugaltrain.forge import AllocationTracker, ForgeOptimizer
 from frugaltrain.forge.memtrack import resident_bytes
+from frugaltrain.models import build_model
 from frugaltrain.models.gpt import GPT, GPTConfig
 
 SIZES = {  # byte vocabulary, untied head; parameter counts from GPT.num_params()
@@ -37,14 +46,28 @@ SIZES = {  # byte vocabulary, untied head; parameter counts from GPT.num_params(
     # activations of 512 tokens here, which is FORGE's operating regime
     "wide200M": {"n_layer": 4, "n_embd": 2048, "n_head": 16},
 }
+LLAMAS = {  # frugaltrain config overrides (model.family = llama)
+    "llama125M": {
+        "n_layer": 12, "n_embd": 768, "n_head": 12, "intermediate_size": 2048, "vocab_size": 32000,
+    },
+}  # fmt: skip
 VARIANTS = ("adamw", "adamw-foreach", "adamw-fused", "hooks", "forge", "forge-int8")
 SEQ = 512
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def make_model(size: str) -> GPT:
+def make_model(size: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**SIZES[size], vocab_size=256, block_size=SEQ))
+    if size in LLAMAS:
+        sets = [f"model.{k}={v}" for k, v in LLAMAS[size].items()]
+        cfg = build_config(Config, {}, ["model.family='llama'", f"data.seq_len={SEQ}", *sets])
+        return build_model(cfg).to(dtype)
+    return GPT(GPTConfig(**SIZES[size], vocab_size=256, block_size=SEQ)).to(dtype)
+
+
+def vocab(size: str) -> int:
+    return LLAMAS[size]["vocab_size"] if size in LLAMAS else 256
 
 
 class _HookAdamW:
@@ -79,8 +102,9 @@ def build(variant: str, model: torch.nn.Module):
     if variant == "hooks":
         opt = _HookAdamW(model)
         return opt, opt.state_tensors
-    if variant in ("forge", "forge-int8"):
-        opt = ForgeOptimizer(model, states="int8" if variant == "forge-int8" else "fp32", **kw)
+    if variant in ("forge", "forge-int8", "forge-bf16"):
+        states = {"forge": "fp32", "forge-int8": "int8", "forge-bf16": "bf16"}[variant]
+        opt = ForgeOptimizer(model, states=states, **kw)
     else:
         opt = torch.optim.AdamW(
             model.parameters(),
@@ -91,32 +115,39 @@ def build(variant: str, model: torch.nn.Module):
     return opt, lambda: [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
-def batch(tokens: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(tokens: int, step: int, size: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    idx = torch.randint(0, 256, (tokens // SEQ, SEQ + 1), generator=g)
+    idx = torch.randint(0, vocab(size), (tokens // SEQ, SEQ + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]
+
+
+def backward(opt, loss) -> None:
+    if isinstance(opt, ForgeOptimizer):
+        opt.backward(loss)  # FORGE updates only in its own backward
+    else:
+        loss.backward()
 
 
 def train_step(model, opt, x, y) -> None:
     _, loss = model(x, y)
-    loss.backward()
+    backward(opt, loss)
     opt.step()
     opt.zero_grad()
 
 
-def measure(size: str, tokens: int, variant: str) -> dict:
-    model = make_model(size)
+def measure(size: str, tokens: int, variant: str, dtype: str = "fp32") -> dict:
+    model = make_model(size, DTYPES[dtype])
     opt, states = build(variant, model)
-    train_step(model, opt, *batch(tokens, 0))  # warm-up: states allocated
+    train_step(model, opt, *batch(tokens, 0, size))  # warm-up: states allocated
     gc.collect()
     resident = resident_bytes(list(model.parameters()) + states())
-    x, y = batch(tokens, 1)
+    x, y = batch(tokens, 1, size)
     t0 = time.perf_counter()
     with AllocationTracker() as tracker:
         tracker.mark("forward")
         _, loss = model(x, y)
         tracker.mark("backward+step")
-        loss.backward()
+        backward(opt, loss)
         opt.step()
         opt.zero_grad()
     seconds = time.perf_counter() - t0
@@ -125,6 +156,7 @@ def measure(size: str, tokens: int, variant: str) -> dict:
         "size": size,
         "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         "tokens": tokens,
+        "dtype": dtype,
         "variant": variant,
         "resident_MiB": round(resident / mib, 1),
         "peak_MiB": round((resident + tracker.peak_bytes) / mib, 1),
@@ -149,16 +181,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for case in args.cases.split(","):
-        size, tokens = case.split(":")
+        size, tokens, *dtype = case.split(":")
         base = None
         for variant in args.variants.split(","):
-            r = measure(size, int(tokens), variant)
+            r = measure(size, int(tokens), variant, *dtype)
             base = base or r
             r["peak_ratio"] = round(r["peak_MiB"] / base["peak_MiB"], 3)
             r["transient_ratio"] = round(r["transient_MiB"] / base["transient_MiB"], 3)
             rows.append(r)
             print(
-                f"{size:>8} {r['params_M']:>6}M {tokens:>5} tok  {variant:<13}"
+                f"{size:>9} {r['params_M']:>6}M {tokens:>5} tok {r['dtype']} {variant:<13}"
                 f" resident {r['resident_MiB']:>7.1f}  peak {r['peak_MiB']:>7.1f}"
                 f" ({r['peak_ratio']:.3f}x)  transient {r['transient_MiB']:>7.1f}"
                 f" ({r['transient_ratio']:.3f}x)  largest {r['largest_alloc_MiB']:>6.2f} MiB",
@@ -171,7 +203,7 @@ def main() -> None:
         "device": f"cpu ({platform.processor() or platform.machine()}), {args.threads} threads",
         "torch": torch.__version__,
         "method": "AllocationTracker (TorchDispatchMode storage tracker); all figures measured",
-        "baseline": "torch.optim.AdamW(foreach=False), the CPU default",
+        "baseline": "torch.optim.AdamW(foreach=False), the CPU default, on the case's dtype",
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")

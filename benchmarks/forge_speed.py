@@ -1,16 +1,22 @@
 """FORGE step time vs torch.optim.AdamW (single-tensor, foreach, fused) and optimizer-in-backward
 hooks, on the GPT, with the variants alternating in one process (A B C ... A B C ...) so machine
 noise hits all alike. Reports the median seconds per whole training step (forward, backward,
-step) and the ratio to torch.optim.AdamW(foreach=False), the CPU default. All times measured,
-wall clock. Also times FORGE's two-pass clipping (forge-clip), to show what exact clipping costs.
+step) and the ratio to the first variant (torch.optim.AdamW(foreach=False), the CPU default).
+Each repetition also gives a paired ratio (the variant's time over the first variant's time in
+the same repetition); their median, minimum and maximum are the spread to read on a shared
+machine. All times measured, wall clock. Also times FORGE's two-pass clipping (forge-clip), to
+show what exact clipping costs, and FORGE with 8-bit (forge-int8) or bf16 (forge-bf16) states.
+A case is size:tokens[:dtype] as in forge_memory.py (dtype bf16 converts every arm's model).
 
     python benchmarks/forge_speed.py [--cases 10M:512,10M:4096] [--reps 5]
+        [--variants adamw,forge,forge-int8,forge-bf16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -22,6 +28,7 @@ from forge_memory import batch, build, make_model, train_step
 from frugaltrain.forge import ForgeOptimizer
 
 VARIANTS = ("adamw", "adamw-foreach", "adamw-fused", "hooks", "forge", "forge-clip")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _build(variant: str, model):
@@ -41,31 +48,38 @@ def _step(variant: str, model, opt, x, y) -> None:
         train_step(model, opt, x, y)
 
 
-def bench(size: str, tokens: int, variants: list[str], reps: int) -> list[dict]:
+def bench(size: str, tokens: int, variants: list[str], reps: int, dtype: str = "fp32") -> list:
     arms = {}
     for v in variants:
-        model = make_model(size)
+        model = make_model(size, DTYPES[dtype])
         arms[v] = (model, _build(v, model))
     times = {v: [] for v in variants}
     for rep in range(reps + 1):  # rep 0 warms up (states, allocator, kernels)
-        x, y = batch(tokens, rep)
+        x, y = batch(tokens, rep, size)
         for v in variants:
             model, opt = arms[v]
             t0 = time.perf_counter()
             _step(v, model, opt, x, y)
             if rep:
                 times[v].append(time.perf_counter() - t0)
-    base = statistics.median(times[variants[0]])
+    first = times[variants[0]]
+    base = statistics.median(first)
     rows = []
     for v in variants:
         med = statistics.median(times[v])
+        paired = [t / b for t, b in zip(times[v], first, strict=True)]
         rows.append({
-            "size": size, "tokens": tokens, "variant": v, "median_step_s": round(med, 4),
-            "min_step_s": round(min(times[v]), 4), "ratio": round(med / base, 3), "reps": reps,
+            "size": size, "tokens": tokens, "dtype": dtype, "variant": v,
+            "median_step_s": round(med, 4), "min_step_s": round(min(times[v]), 4),
+            "max_step_s": round(max(times[v]), 4), "ratio": round(med / base, 3),
+            "paired_ratio_median": round(statistics.median(paired), 3),
+            "paired_ratio_min": round(min(paired), 3), "paired_ratio_max": round(max(paired), 3),
+            "reps": reps, "step_s": [round(t, 4) for t in times[v]],
         })  # fmt: skip
         print(
-            f"{size:>8} {tokens:>5} tok  {v:<14} median {med:7.3f} s  min {min(times[v]):7.3f} s"
-            f"  ({med / base:.3f}x)",
+            f"{size:>9} {tokens:>5} tok {dtype} {v:<14} median {med:7.3f} s"
+            f"  min {min(times[v]):7.3f} s  max {max(times[v]):7.3f} s  ({med / base:.3f}x;"
+            f" paired {statistics.median(paired):.3f}x, {min(paired):.3f}-{max(paired):.3f})",
             flush=True,
         )
     return rows
@@ -84,15 +98,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for case in args.cases.split(","):
-        size, tokens = case.split(":")
-        rows += bench(size, int(tokens), args.variants.split(","), args.reps)
+        size, tokens, *dtype = case.split(":")
+        rows += bench(size, int(tokens), args.variants.split(","), args.reps, *dtype)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "device": f"cpu ({platform.processor() or platform.machine()}), {args.threads} threads",
         "torch": torch.__version__,
         "method": "median wall-clock seconds per training step, variants alternating; measured",
-        "baseline": "torch.optim.AdamW(foreach=False), the CPU default",
+        "baseline": "the first variant (adamw: torch.optim.AdamW(foreach=False), the CPU default)",
+        "load_average": [round(x, 2) for x in os.getloadavg()],  # at the end of the run
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")

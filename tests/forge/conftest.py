@@ -88,6 +88,17 @@ def twin(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
+def backward(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """The training backward of either arm: opt.backward(loss) for FORGE (the only backward in
+    which it updates), loss.backward() for torch.optim."""
+    from frugaltrain.forge import ForgeOptimizer
+
+    if isinstance(opt, ForgeOptimizer):
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
@@ -98,6 +109,7 @@ def kit() -> types.SimpleNamespace:
     """The helpers above, handed to tests as a fixture (tests never import each other)."""
     return types.SimpleNamespace(
         HYPER=HYPER,
+        backward=backward,
         LionReference=LionReference,
         batches=batches,
         learnable_batches=learnable_batches,

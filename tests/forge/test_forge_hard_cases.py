@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from frugaltrain.forge import ForgeOptimizer
@@ -45,12 +46,17 @@ def test_two_pass_clipping_equals_clip_grad_norm_then_adamw(kit):
     assert _max_rel(a, b) <= CLIP_RTOL
 
 
-def test_clipping_without_two_pass_backward_raises(kit):
+def test_plain_backward_with_clipping_trains_nothing_and_step_refuses(kit):
+    """loss.backward() is not the optimizer's backward (with clipping or without): it leaves
+    nn.Linear's gradients, which step() refuses to ignore silently; nothing moves."""
     b = kit.make_gpt()
-    ForgeOptimizer(b, max_grad_norm=1.0, lr=1e-3)
+    opt = ForgeOptimizer(b, max_grad_norm=1.0, lr=1e-3)
+    before = _snapshot(b)
     x, y = kit.batches(1)[0]
-    with pytest.raises(ValueError, match="two-pass backward; call opt.backward"):
-        b(x, y)[1].backward()
+    b(x, y)[1].backward()
+    with pytest.raises(ValueError, match=r"not opt.backward\(loss\).*Nothing was updated"):
+        opt.step()
+    assert _unchanged(b, before) and not any(opt.state.values())
 
 
 def test_non_finite_norm_skips_the_update_loudly():
@@ -66,11 +72,13 @@ def test_non_finite_norm_skips_the_update_loudly():
 
 def test_second_backward_before_step_is_refused(kit):
     b = kit.make_gpt()
-    ForgeOptimizer(b, lr=1e-3)
+    opt = ForgeOptimizer(b, lr=1e-3)
     (x, y), (x2, y2) = kit.batches(2)
-    b(x, y)[1].backward()
-    with pytest.raises(ValueError, match="accumulation_steps=K"):
-        b(x2, y2)[1].backward()
+    opt.backward(b(x, y)[1])
+    after_first = _snapshot(b)
+    with pytest.raises(ValueError, match="accumulation_steps=K.*nothing was updated"):
+        opt.backward(b(x2, y2)[1])
+    assert _unchanged(b, after_first)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -104,7 +112,7 @@ def test_accumulation_mode_checks_the_micro_batch_count(kit):
     b = kit.make_gpt()
     opt = ForgeOptimizer(b, lr=1e-3, accumulation_steps=2)
     x, y = kit.batches(1)[0]
-    b(x, y)[1].backward()
+    opt.backward(b(x, y)[1])
     with pytest.raises(ValueError, match="accumulation_steps=2 but the parameters saw"):
         opt.step()
 
@@ -120,7 +128,7 @@ def test_tied_weights_fall_back_reported_and_exact(kit):
         a(x, y)[1].backward()
         ref.step()
         ref.zero_grad()
-        b(x, y)[1].backward()
+        opt.backward(b(x, y)[1])
         opt.step()
         opt.zero_grad()
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
@@ -144,13 +152,72 @@ def test_reused_linear_is_refused():
         net(torch.randn(2, 4))
 
 
-def test_weight_used_outside_its_linear_is_refused():
+def test_weight_used_outside_its_linear_is_refused_before_any_update():
+    torch.manual_seed(0)
     lin = nn.Linear(4, 4)
-    ForgeOptimizer(lin, lr=1e-3)
+    opt = ForgeOptimizer(lin, lr=1e-3)
+    before = _snapshot(lin)
     x = torch.randn(2, 4)
     loss = lin(x).sum() + torch.nn.functional.linear(x, lin.weight).sum()
-    with pytest.raises(ValueError, match="received a gradient outside its Linear forward"):
-        loss.backward()
+    with pytest.raises(ValueError, match="also used outside its Linear.*by TBackward0.*n == ''"):
+        opt.backward(loss)
+    assert _unchanged(lin, before) and not any(opt.state.values())
+
+
+class _EmbeddingTiedToHead(nn.Module):
+    """The head's weight also serves as the embedding table through F.embedding: a functional
+    use no module structure shows, visible only in the autograd graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.body(F.embedding(idx, self.head.weight))))
+
+
+def _full_snapshot(model, opt) -> list[torch.Tensor]:
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return [t.detach().clone() for t in [*model.parameters(), *state]]
+
+
+def test_functional_reuse_is_refused_before_the_first_tile():
+    """The head is reached first in the backward; the refusal comes before it is updated, so
+    weights and optimizer state stay bitwise as they were (one step taken before, so there is
+    state to compare)."""
+    torch.manual_seed(0)
+    model = _EmbeddingTiedToHead()
+    with pytest.warns(UserWarning, match="head.weight"):
+        first = ForgeOptimizer(model, lr=1e-2, exclude=lambda n: n == "head")
+    idx = torch.randint(0, 10, (3, 5))
+    first.backward(model(idx).square().mean())  # excluded head: the hook takes the summed grad
+    first.step()
+    saved = copy.deepcopy(first.state_dict())
+    first.remove()
+    opt = ForgeOptimizer(model, lr=1e-2)  # the head fused: the forward's F.embedding is unseen
+    opt.load_state_dict(saved)
+    before = _full_snapshot(model, opt)
+    with pytest.raises(ValueError, match="'head.weight' is also used outside.*EmbeddingBackward0"):
+        opt.backward(model(idx).square().mean())
+    after = _full_snapshot(model, opt)
+    assert len(after) == len(before) and all(map(torch.equal, before, after))
+
+
+def test_layer_twice_in_one_graph_is_refused_before_any_update():
+    """A forward, an input-gradient pass (which ends that forward's backward), another forward:
+    both outputs in one loss put the layer in the graph twice."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = ForgeOptimizer(lin, lr=1e-2)
+    x = torch.randn(2, 4, requires_grad=True)
+    out1 = lin(x)
+    torch.autograd.grad(out1.sum(), x, retain_graph=True)
+    out2 = lin(x)
+    before = [p.detach().clone() for p in lin.parameters()]
+    with pytest.raises(ValueError, match="'' appears twice in this loss's graph"):
+        opt.backward(out1.sum() + out2.sum())
+    assert all(map(torch.equal, before, lin.parameters())) and not any(opt.state.values())
 
 
 def test_fp16_weights_are_refused():
@@ -189,7 +256,7 @@ def test_grad_scaler_is_refused_before_any_update(kit, autocast):
     assert _unchanged(model, before)
     assert not any(opt.state.values())
     opt.step()  # the optimizer is still usable without the scaler
-    model(x, y)[1].backward()
+    opt.backward(model(x, y)[1])
     opt.step()
     assert not _unchanged(model, before)
 
@@ -256,7 +323,7 @@ def test_dropped_model_and_optimizer_are_freed():
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = ForgeOptimizer(model, lr=1e-3)
-    model(torch.randn(3, 8)).sum().backward()
+    opt.backward(model(torch.randn(3, 8)).sum())
     opt.step()
     refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model[0].weight)]
     del model, opt
@@ -282,7 +349,7 @@ def _train_pair(net_a, net_b, make_opt, steps=3):
         net_a(x).square().sum().backward()
         ref.step()
         ref.zero_grad()
-        net_b(x).square().sum().backward()
+        opt.backward(net_b(x).square().sum())
         opt.step()
         opt.zero_grad()
     return opt
@@ -338,7 +405,7 @@ def test_add_param_group_installs_fusion_and_hooks():
         a(x).square().sum().backward()
         ref.step()
         ref.zero_grad()
-        b(x).square().sum().backward()
+        opt.backward(b(x).square().sum())
         opt.step()
         opt.zero_grad()
     for p, q in zip(a.parameters(), b.parameters(), strict=True):

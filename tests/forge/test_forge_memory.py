@@ -25,16 +25,23 @@ def _mlp() -> nn.Module:
     )  # fmt: skip
 
 
+def _backward(opt, loss) -> None:
+    if isinstance(opt, ForgeOptimizer):
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
 def _step_tracked(model, opt) -> AllocationTracker:
     x = torch.randn(TOKENS, H)
     opt.zero_grad()
-    model(x).square().mean().backward()
+    _backward(opt, model(x).square().mean())
     opt.step()  # warm-up: optimizer states exist before the measured step
     with AllocationTracker() as tracker:
         tracker.mark("forward")
         loss = model(x).square().mean()
         tracker.mark("backward+step")
-        loss.backward()
+        _backward(opt, loss)
         opt.step()
         opt.zero_grad()
     return tracker

@@ -40,7 +40,7 @@ def _bf16_drift(rounding: str, seed: int = 0) -> torch.Tensor:
     opt = ForgeOptimizer(lin, rule="sgd", lr=1e-4, rounding=rounding, seed=seed)
     x = torch.ones(1, 1, dtype=torch.bfloat16)
     for _ in range(1000):
-        (-lin(x).sum()).backward()  # dL/dW = -1: the update is +lr
+        opt.backward(-lin(x).sum())  # dL/dW = -1: the update is +lr
         opt.step()
     return lin.weight.float()
 
@@ -98,7 +98,7 @@ def test_int8_states_train_the_gpt(kit):
         for x, y in data:
             loss = model(x, y)[1]
             losses.append(loss.item())
-            loss.backward()
+            opt.backward(loss)
             opt.step()
         runs.append((losses, opt))
     (fp32_losses, _), (int8_losses, opt) = runs
@@ -116,7 +116,7 @@ def test_bf16_model_trains_with_fp32_states(kit):
     for x, y in kit.learnable_batches(15):
         loss = model(x, y)[1]
         losses.append(loss.item())
-        loss.backward()
+        opt.backward(loss)
         opt.step()
     assert losses[-1] < losses[0] - 0.1
     assert opt.state[model.head.weight]["exp_avg"].dtype == torch.float32

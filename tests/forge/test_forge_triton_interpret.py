@@ -15,6 +15,9 @@ What is claimed, and checked:
   checked with both: the sums the exact checks make are exact in any order).
 - int8 trajectory: a bound, not equality (see INT8_BOUND below).
 - bf16 stochastic rounding: the same seed reproduces, another seed differs.
+- bf16 states: after one step from an exact gradient, every stored weight and state is one of
+  the two bf16 neighbours of torch AdamW's fp32 value, and the mean over 16 seeds is within the
+  rounding bound of it (as tests/forge/test_forge_bf16_states.py checks on the torch path).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ SCRIPT = textwrap.dedent(
             xs.append(torch.randint(-8, 9, (32, 2 * Q), generator=gen).float() / 8)
             dys.append(torch.randint(-8, 9, (32, 16), generator=gen).float() / 64)
         for x, dy in zip(xs, dys):
-            (lin(x) * dy).sum().backward(); opt.step(); opt.zero_grad()
+            opt.backward((lin(x) * dy).sum()); opt.step(); opt.zero_grad()
         return [lin.weight.detach()] + [v for k, v in opt.state[lin.weight].items() if k != "step"]
 
     for states in ("fp32", "int8"):
@@ -122,7 +125,7 @@ SCRIPT = textwrap.dedent(
         opt = ForgeOptimizer(b, forge_groups(b, rule), rule=rule, backend="triton", **HYPER[rule])
         for x, y in batches(STEPS):
             a(x, y)[1].backward(); ref.step(); ref.zero_grad()
-            b(x, y)[1].backward(); opt.step(); opt.zero_grad()
+            opt.backward(b(x, y)[1]); opt.step(); opt.zero_grad()
         print("parity", rule, rel(a, b))
 
     a = make_gpt(torch.float32, n_layer=1); b = twin(a)
@@ -142,7 +145,7 @@ SCRIPT = textwrap.dedent(
                         **HYPER["adamw"])
     for x, y in batches(INT8_STEPS):
         for m, o in ((a, oa), (b, ob)):
-            m(x, y)[1].backward(); o.step()
+            o.backward(m(x, y)[1]); o.step()
     print("int8 adamw", max((p - q).abs().max().item()
                             for p, q in zip(a.parameters(), b.parameters())))
 
@@ -151,9 +154,48 @@ SCRIPT = textwrap.dedent(
         m = make_gpt(torch.bfloat16, n_layer=1)
         opt = ForgeOptimizer(m, forge_groups(m, "adamw"), backend="triton", seed=seed, lr=3e-3)
         for x, y in batches(2):
-            m(x, y)[1].backward(); opt.step()
+            opt.backward(m(x, y)[1]); opt.step()
         outs.append(torch.cat([p.float().flatten() for p in m.parameters()]))
     print("bf16-sr", int(torch.equal(outs[0], outs[1])), int(not torch.equal(outs[0], outs[2])))
+
+    # 5. bf16 states: one step from an exact gradient (dyadic X, dY), 16 seeds. Every stored
+    # value is a bf16 neighbour of torch AdamW's fp32 value, and the seeds' mean is within
+    # 6 spacings / (2 sqrt(16)) of it (Hoeffding: 2 exp(-18) per element)
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    g = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(16, Q, generator=g) * 0.5).to(torch.bfloat16)
+    x1 = torch.randint(-8, 9, (4, Q), generator=g) / 8
+    dy1 = torch.randint(-8, 9, (4, 16), generator=g) / 64
+
+    def one_step(dtype, make):
+        lin = torch.nn.Linear(Q, 16, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w0)
+        opt = make(lin)
+        loss = (lin(x1.to(dtype)) * dy1.to(dtype)).sum()
+        opt.backward(loss) if isinstance(opt, ForgeOptimizer) else loss.backward()
+        opt.step()
+        st = opt.state[lin.weight]
+        return [lin.weight.detach().double(), st["exp_avg"].double(), st["exp_avg_sq"].double()]
+
+    ref = one_step(torch.float32,
+                   lambda m: torch.optim.AdamW(m.parameters(), foreach=False, **hyper))
+    runs = [one_step(torch.bfloat16, lambda m: ForgeOptimizer(
+        m, states="bf16", seed=s, backend="triton", **hyper)) for s in range(16)]
+    bad = far = 0
+    for i in range(3):
+        bits = ref[i].float().view(torch.int32)
+        lo = (bits & -65536).view(torch.float32).double()
+        hi = ((bits & -65536) + 65536).view(torch.float32).double()
+        st = torch.stack([r[i] for r in runs])
+        bad += int((~((st == lo) | ((st == hi) & (lo != ref[i])))).sum())
+        far += int(((st.mean(0) - ref[i]).abs() > 6 * (hi - lo).abs() / 8).sum())
+    again = one_step(torch.bfloat16, lambda m: ForgeOptimizer(
+        m, states="bf16", seed=3, backend="triton", **hyper))
+    print("bf16-states-bracket", bad)
+    print("bf16-states-far", far)
+    print("bf16-states-seeded", int(all(torch.equal(a, b) for a, b in zip(again, runs[3])))
+          * int(not torch.equal(runs[0][0], runs[1][0])))
     print("seconds", round(time.perf_counter() - t0, 1))
     """
 )
@@ -189,3 +231,6 @@ def test_triton_kernel_under_interpreter_matches_torch():
     assert float(lines["clip adamw"]) <= 1e-5, out.stdout
     assert float(lines["int8 adamw"]) <= INT8_BOUND, out.stdout
     assert lines["bf16-sr 1"] == "1", out.stdout  # same seed reproduces, another seed differs
+    assert lines["bf16-states-bracket"] == "0", out.stdout  # each store: a bf16 neighbour
+    assert lines["bf16-states-far"] == "0", out.stdout  # unbiased: the mean over 16 seeds
+    assert lines["bf16-states-seeded"] == "1", out.stdout

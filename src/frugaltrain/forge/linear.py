@@ -27,6 +27,7 @@ Shapes: BT tokens (all leading dims of the input flattened), H in_features, V ou
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,9 @@ class _LayerHandle:
         self.name = name
         self.module = module
         self.owner = owner
-        self.pending = 0  # forwards since the last backward of this layer (reuse detection)
+        # the node of this layer's last forward, until its backward runs (reuse detection); weak,
+        # so a forward whose graph was dropped without a backward is not taken for a reuse
+        self.last: weakref.ref | None = None
 
 
 class _ForgeLinearFn(torch.autograd.Function):
@@ -55,7 +58,7 @@ class _ForgeLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         handle = ctx.handle
-        handle.pending = 0
+        handle.last = None
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None  # old W, before any update
         dy_BTV = dy.reshape(-1, dy.shape[-1])
         db = dy_BTV.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -86,19 +89,23 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             "otherwise train in fp32 without autocast."
         )
     # A forward that runs inside a backward is an activation-checkpoint recompute, not a reuse.
-    if torch._C._current_graph_task_id() == -1:
-        if handle.pending:
-            raise ValueError(
-                f"FORGE: Linear '{handle.name}' ran forward twice before its backward (weight "
-                "reuse, e.g. a shared or recurrent layer). Its update is fused into one backward, "
-                f"so reuse would step it twice with partial gradients. Pass "
-                f"exclude=lambda n: n.startswith('{handle.name}') to keep it on the standard path."
-            )
-        handle.pending = 1
+    recompute = torch._C._current_graph_task_id() != -1
+    if not recompute and handle.last is not None and handle.last() is not None:
+        raise ValueError(
+            f"FORGE: Linear '{handle.name}' ran forward twice before its backward (weight "
+            "reuse, e.g. a shared or recurrent layer, or the graph of an earlier forward is still "
+            "alive without a backward). Its update is fused into one backward, so reuse would "
+            f"step it twice with partial gradients. Pass exclude=lambda n: "
+            f"n.startswith('{handle.name}') to keep it on the standard path, or run forwards "
+            "that are not trained under torch.no_grad()."
+        )
     # The weight is an input (so the output needs grad even when x does not), through an alias
     # node (module docstring); when the backward returns None for it, its AccumulateGrad
     # receives nothing and W.grad is never formed.
-    return _ForgeLinearFn.apply(x, self.weight.view_as(self.weight), self.bias, handle)
+    out = _ForgeLinearFn.apply(x, self.weight.view_as(self.weight), self.bias, handle)
+    if not recompute:
+        handle.last = weakref.ref(out.grad_fn)
+    return out
 
 
 def install_linear(name: str, module: nn.Linear, owner) -> _LayerHandle:

@@ -9,10 +9,17 @@ so any tile partition gives the same result as the two-phase step (exact in fp32
 
 Calling contract, once per optimizer step:
     loss = model(...)            # at most one forward per fused Linear before its backward
-    opt.backward(loss)           # or loss.backward() when clipping is off; updates happen here
+    opt.backward(loss)           # the one backward that updates (refusals come before it starts)
     opt.step()                   # closes the step (checks; the accumulation mode updates here)
     scheduler.step()             # lr changes take effect at the next backward
     opt.zero_grad()
+
+Only opt.backward(loss) updates. Any other backward through the model (loss.backward(),
+torch.autograd.grad, backward(inputs=...)) is nn.Linear's: input gradients, a weight gradient only
+where asked for, no update; step() then refuses the gradients it would silently ignore, and
+zero_grad() drops them. Everything opt.backward refuses (a layer run twice, a fused weight used
+outside its Linear, a create_graph penalty reaching one) is found in the loss's graph before the
+backward starts (_checks.py), so a refused step changes nothing.
 
 Modes, all explicit:
 - default: one fused backward per step. A second backward before step() raises (that would be
@@ -21,7 +28,7 @@ Modes, all explicit:
   with retain_graph that only sums squared gradient tiles (no update), then a second backward that
   applies the rule with c = min(1, max_norm / (norm + 1e-6)) folded into each tile. Cost: one extra
   backward, and activations stay alive until the second pass ends. A non-finite norm skips the
-  update (warned, counted in `num_skipped_steps`). A plain loss.backward() in this mode raises.
+  update (warned, counted in `num_skipped_steps`).
 - accumulation_steps = K > 1: micro-batch backwards add each dW tile into one fp32 buffer per fused
   weight (4 bytes/param resident, no full-size temporary); step() checks that K backwards ran,
   clips exactly if asked (one pass) and applies the rule tile by tile. No memory saving versus
@@ -35,6 +42,7 @@ Modes, all explicit:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -44,85 +52,15 @@ import torch
 from torch import nn
 
 from frugaltrain.forge import precision
+from frugaltrain.forge._checks import _OWNERS, check_graph, guard_grad_scaler
+from frugaltrain.forge._checks import owner as _owner
 from frugaltrain.forge._inplace import inplace_variant
 from frugaltrain.forge.linear import _LayerHandle, install_linear, uninstall_linear
 from frugaltrain.forge.rules import RULES, Rule
 
-# id(parameter) -> a weak reference to the ForgeOptimizer whose hooks it carries (one owner at a
-# time). Keyed by id, not by the tensor (tensors compare element-wise); entries go when the
-# parameter is freed. Weak, so a dropped model and its optimizer can be collected (a strong
-# reference here kept every model ever trained alive: the GPU benchmark ran out of memory).
-_OWNERS: dict[int, weakref.ref] = {}
-
-
-def _owner(p: torch.Tensor) -> ForgeOptimizer | None:
-    ref = _OWNERS.get(id(p))
-    return None if ref is None else ref()
-
-
-def _reaches_forge(outputs) -> ForgeOptimizer | None:
-    """The ForgeOptimizer owning a parameter that `outputs`' autograd graph reaches, if any."""
-    from frugaltrain.forge.linear import _ForgeLinearFn
-
-    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
-    seen: set[int] = set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if isinstance(fn, _ForgeLinearFn._backward_cls):  # the node is the Function's ctx
-            return fn.handle.owner
-        var = getattr(fn, "variable", None)  # AccumulateGrad of a leaf
-        if var is not None and _owner(var) is not None:
-            return _owner(var)
-        stack.extend(f for f, _ in fn.next_functions)
-    return None
-
-
-def _tensors(outputs) -> list[torch.Tensor]:
-    if isinstance(outputs, torch.Tensor):
-        return [outputs]
-    if isinstance(outputs, dict):
-        outputs = outputs.values()
-    try:
-        return [t for o in outputs for t in _tensors(o)]
-    except TypeError:
-        return []
-
-
-def _guard_grad_scaler() -> None:
-    """Make torch.amp.GradScaler.scale refuse a loss that reaches FORGE parameters.
-
-    Loss scaling has to be refused before the backward: FORGE updates inside it, so by the time
-    GradScaler.step() could refuse, the scaled gradient has been applied (and with fp16 an
-    overflow found late cannot be undone). The wrapper walks the loss's autograd graph once per
-    scale() call and only raises when it reaches a parameter a live ForgeOptimizer owns; other
-    optimizers' use of GradScaler is unchanged. Installed once, at the first ForgeOptimizer.
-    """
-    cls = torch.amp.GradScaler
-    if getattr(cls.scale, "_forge_guard", False):
-        return
-    original = cls.scale
-
-    def scale(self, outputs):
-        if self.is_enabled() and _reaches_forge(outputs) is not None:
-            raise ValueError(
-                "FORGE: torch.amp.GradScaler (fp16 dynamic loss scaling) is not supported: FORGE "
-                "updates the weights during backward, so the scaled gradient would be applied "
-                "before any overflow check or unscale. Refused in scaler.scale(), before the "
-                "backward: no weight was updated. Train in bf16 weights or fp32 without a scaler."
-            )
-        return original(self, outputs)
-
-    scale._forge_guard = True
-    scale.__doc__ = original.__doc__
-    cls.scale = scale
-
-
 TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
 _BACKENDS = ("torch", "triton")
-_STATES = ("fp32", "int8")
+_STATES = ("fp32", "bf16", "int8")
 _ROUNDING = ("stochastic", "nearest")
 
 
@@ -168,30 +106,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
         backend: str = "torch",
         **defaults,
     ) -> None:
-        if rule not in RULES:
-            raise ValueError(f"FORGE: rule={rule!r} is unknown; choose one of {sorted(RULES)}")
-        self.rule: Rule = RULES[rule]
-        self._update_inplace = inplace_variant(self.rule.update)
-        unknown = set(defaults) - set(self.rule.defaults)
-        if unknown:
-            raise ValueError(
-                f"FORGE: {sorted(unknown)} are not hyperparameters of rule {rule!r}; "
-                f"it takes {sorted(self.rule.defaults)}"
-            )
-        for key, allowed, value in (
-            ("backend", _BACKENDS, backend),
-            ("states", _STATES, states),
-            ("rounding", _ROUNDING, rounding),
-        ):
-            if value not in allowed:
-                raise ValueError(f"FORGE: {key}={value!r} is unknown; choose one of {allowed}")
+        _check_model_argument(model)
+        _check_options(rule, defaults, backend, states, rounding)
         if tile_rows is not None and tile_rows < 1:
             raise ValueError(f"FORGE: tile_rows={tile_rows} must be >= 1")
         if accumulation_steps < 1:
             raise ValueError(f"FORGE: accumulation_steps={accumulation_steps} must be >= 1")
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"FORGE: max_grad_norm={max_grad_norm} must be > 0 (None: off)")
-        _guard_grad_scaler()
+        self.rule: Rule = RULES[rule]
+        self._update_inplace = inplace_variant(self.rule.update)
+        guard_grad_scaler()
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, {**self.rule.defaults, **defaults})
@@ -206,12 +131,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.backend = backend
         self.triton_block = None  # (BV, BH, BK[, warps, stages]); None: the kernel's default
         self.num_skipped_steps = 0
-        self._mode = "update"  # "update" | "norm" | "refuse" (clipping set, plain backward)
-        if max_grad_norm is not None and accumulation_steps == 1:
-            self._mode = "refuse"
+        self._armed = False  # True only inside opt.backward(loss): fused layers update then
+        self._mode = "update"  # "update" | "norm" (first pass of two-pass clipping)
         self._coef = 1.0
         self._sumsq = 0.0
         self._updated: set[nn.Parameter] = set()  # params stepped since the last step()
+        self._num_armed = 0  # opt.backward calls since the last step()
+        self._stray: set[nn.Parameter] = set()  # params given a .grad by another backward
         self._num_backward: dict[nn.Parameter, int] = {}
         self._accum: dict[nn.Parameter, torch.Tensor] = {}
         if backend == "triton":
@@ -248,24 +174,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError("FORGE: the model of this ForgeOptimizer was garbage-collected")
         names = {p: n for n, p in model.named_parameters(remove_duplicate=False)}
         new = [p for g in groups for p in g["params"]]
-        for p in new:
-            if p.dtype == torch.float16:
-                raise ValueError(
-                    f"FORGE: parameter '{names.get(p, '?')}' is float16. fp16 training needs "
-                    "dynamic loss scaling, which checks the whole gradient for overflow before any "
-                    "update; FORGE updates during backward and refuses it. Use bf16 or fp32."
-                )
-            if self.backend == "triton" and p.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(
-                    f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
-                    f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
-                )
-        taken = [names.get(p, "?") for p in new if _owner(p) is not None]
-        if taken:
-            raise ValueError(
-                f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
-                "call its remove() before building a new one (two would update them twice)"
-            )
+        self._refuse_params(new, names)
         self._names = names
         before = dict(self.fallback)
         handles, hooks = self._install(model, self._exclude, new)
@@ -286,6 +195,38 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 "FORGE: these Linear weights stay on the standard (hook) path, one full gradient "
                 f"each: {added}",
                 stacklevel=stacklevel,
+            )
+
+    def _refuse_params(self, new: list[nn.Parameter], names: dict) -> None:
+        """Refusals at construction (and add_param_group), before anything is installed."""
+        for p in new:
+            if p.dtype == torch.float16:
+                raise ValueError(
+                    f"FORGE: parameter '{names.get(p, '?')}' is float16. fp16 training needs "
+                    "dynamic loss scaling, which checks the whole gradient for overflow before any "
+                    "update; FORGE updates during backward and refuses it. Use bf16 or fp32."
+                )
+            if self.backend == "triton" and p.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(
+                    f"FORGE: backend='triton' supports fp32 and bf16 parameters; "
+                    f"'{names.get(p, '?')}' is {p.dtype} (use backend='torch')"
+                )
+            if self.backend == "triton" and not p.is_contiguous():
+                raise ValueError(
+                    f"FORGE: backend='triton' needs contiguous parameters; '{names.get(p, '?')}' "
+                    "is not (make it contiguous before building the optimizer)"
+                )
+        taken = [names.get(p, "?") for p in new if _owner(p) is not None]
+        if taken:
+            raise ValueError(
+                f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
+                "call its remove() before building a new one (two would update them twice)"
+            )
+        outside = sum(p not in names for p in new)
+        if outside:
+            raise ValueError(
+                f"FORGE: {outside} of the parameters given are not parameters of the model passed "
+                "first; ForgeOptimizer(model, params) trains parameters of `model` only"
             )
 
     # ---- installation --------------------------------------------------------------------
@@ -341,19 +282,24 @@ class ForgeOptimizer(torch.optim.Optimizer):
     # ---- backward entry points ---------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor | None:
-        """Backward with the configured clipping; returns the pre-clip global norm (or None).
+        """The optimizer's backward: the one backward in which fused layers update their weights
+        (and hooked parameters theirs). Returns the pre-clip global norm (or None).
 
-        Without max_grad_norm this is loss.backward(). With it, two passes (module docstring).
+        Every refusal happens here, before the backward starts (`_checks.check_graph`): nothing
+        is updated by a refused call. Without max_grad_norm this runs loss.backward() once;
+        with it, two passes (module docstring). Any other backward through the model (plain
+        loss.backward(), torch.autograd.grad, backward(inputs=...)) updates nothing.
         """
+        self._refuse_backward(loss)
+        self._num_armed += 1
         if self.max_grad_norm is None or self.accumulation_steps > 1:
-            loss.backward()
+            with self._arm("update"):
+                loss.backward()
             return None
-        self._mode, self._sumsq = "norm", 0.0
-        try:
+        with self._arm("norm"):
+            self._sumsq = 0.0
             loss.backward(retain_graph=True)
             norm = math.sqrt(float(self._sumsq))  # the one host sync of the two-pass mode
-        finally:
-            self._mode = "refuse"
         if not math.isfinite(norm):
             self.num_skipped_steps += 1
             warnings.warn(
@@ -361,35 +307,64 @@ class ForgeOptimizer(torch.optim.Optimizer):
             )
             return torch.tensor(norm, dtype=torch.float64)
         self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        self._mode = "update"
         try:
-            loss.backward()
+            with self._arm("update"):
+                loss.backward()
         finally:
-            self._mode, self._coef = "refuse", 1.0
+            self._coef = 1.0
         return torch.tensor(norm, dtype=torch.float64)
 
-    def _check_mode(self, name: str) -> None:
-        if self._mode == "refuse":
+    @contextlib.contextmanager
+    def _arm(self, mode: str):
+        """Fused layers and hooks act only while armed (linear.py, `_param_hook`)."""
+        self._armed, self._mode = True, mode
+        try:
+            yield
+        finally:
+            self._armed, self._mode = False, "update"
+
+    def _refuse_backward(self, loss: torch.Tensor) -> None:
+        """Everything opt.backward(loss) refuses, checked before its backward starts."""
+        held = self._held_grads()
+        if held:
             raise ValueError(
-                f"FORGE: max_grad_norm={self.max_grad_norm} needs the two-pass backward; call "
-                f"opt.backward(loss) instead of loss.backward() (parameter '{name}')"
+                f"FORGE: parameters {held[:3]} hold gradients from a backward that was not "
+                "opt.backward(loss) (a plain loss.backward(), or inputs= naming them); FORGE never "
+                "applies those and the fused layers would not see them. Call opt.zero_grad() "
+                "before opt.backward(loss). Refused before the backward: nothing was updated."
             )
+        if self._updated and self.accumulation_steps == 1:
+            raise ValueError(
+                "FORGE: opt.backward(loss) called again before opt.step(). Gradient accumulation "
+                "over micro-batches needs accumulation_steps=K (an fp32 buffer per fused weight); "
+                "otherwise call opt.step() after every backward. Refused before the backward: "
+                "nothing was updated."
+            )
+        block = self.triton_block
+        if self.backend == "triton" and self.states == "int8" and block is not None:
+            if block[1] != precision.QBLOCK:
+                raise ValueError(
+                    f"FORGE: 8-bit states need a Triton tile width of {precision.QBLOCK} columns; "
+                    f"triton_block={block}"
+                )
+        check_graph(self, loss)
+
+    def _held_grads(self) -> list[str]:
+        """Names of parameters holding a gradient from a backward FORGE did not run."""
+        return [self._names.get(p, "?") for p in self._stray if p.grad is not None]
 
     def _mark_updated(self, p: nn.Parameter) -> None:
+        # a last line: opt.backward refuses a second backward before it starts
         if p in self._updated:
             raise ValueError(
-                f"FORGE: parameter '{self._names.get(p, '?')}' got a second backward before "
-                "opt.step(). Gradient accumulation over micro-batches needs "
-                "accumulation_steps=K (an fp32 buffer per fused weight); otherwise call "
-                "opt.step() after every backward."
+                f"FORGE: parameter '{self._names.get(p, '?')}' got a second update before "
+                "opt.step() (it is reached twice in one backward, or opt.step() was skipped)"
             )
         self._updated.add(p)
 
     @torch.no_grad()
     def _fused_linear_backward(self, handle: _LayerHandle, w, x_BTH, dy_BTV) -> None:
         """Called from the fused Linear's backward after dX: dW tile by tile, rule per tile."""
-        name = f"{handle.name}.weight"
-        self._check_mode(name)
         if w.dtype not in (torch.float32, torch.float64) and (
             self.backend == "torch" or self.accumulation_steps > 1
         ):
@@ -417,7 +392,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._mark_updated(w)
         state, scalars = self._begin_update(w)
         if self.backend == "triton":
-            sr = w.dtype == torch.bfloat16 and self.rounding == "stochastic"
+            sr = self.rounding == "stochastic" and (
+                w.dtype == torch.bfloat16 or self.states == "bf16"
+            )
             seed = self._sr_seed(w, state) if sr else None
             self._triton.fused_linear_update(
                 dy_BTV, x_BTH, w, state, self.rule, scalars, self._coef, seed, self.triton_block
@@ -431,23 +408,33 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self._update_rows(w, state, r0, g_RH, scalars, gen)
 
     def _fused_weight_hook(self, p: nn.Parameter) -> None:
+        """A fused weight received a gradient: from its Linear outside opt.backward (nn.Linear's
+        semantics, recorded so that step() and opt.backward() refuse to ignore it silently), or,
+        inside opt.backward, from a use the graph check could not see (a reentrant checkpoint)."""
         if p.grad is None:
+            return
+        if not self._armed:
+            self._stray.add(p)
             return
         raise ValueError(
             f"FORGE: fused weight '{self._names.get(p, '?')}' received a gradient outside its "
-            "Linear forward (it is used directly elsewhere, e.g. F.linear(x, layer.weight)). "
-            "Keep it on the standard path with exclude=..."
+            "Linear forward (it is used directly elsewhere, e.g. F.linear(x, layer.weight), "
+            "inside a reentrant checkpoint where the graph check cannot see it). Keep it on the "
+            "standard path with exclude=..."
         )
 
     @torch.no_grad()
     def _param_hook(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook of a non-fused parameter: update from p.grad, then free it."""
+        """Post-accumulate-grad hook of a non-fused parameter: update from p.grad, then free it.
+        Outside opt.backward the gradient is left in p.grad, as torch.optim would."""
+        if p.grad is None:
+            return
+        if not self._armed:
+            self._stray.add(p)
+            return
         if self.accumulation_steps > 1:
             self._num_backward[p] = self._num_backward.get(p, 0) + 1
             return
-        if p.grad is None:
-            return
-        self._check_mode(self._names.get(p, "?"))
         if self._mode == "norm":
             self._sumsq = self._sumsq + torch.sum(p.grad.double().square())
             p.grad = None
@@ -483,26 +470,35 @@ class ForgeOptimizer(torch.optim.Optimizer):
         state["step"] += 1
         return state, self.rule.scalars(self._group_of[p], int(state["step"].item()))
 
+    def _state_dtype(self, p: nn.Parameter, signed: bool) -> torch.dtype:
+        """The storage dtype of one of p's states."""
+        if self.states == "int8" and p.dim() >= 2:
+            return torch.int8 if signed else torch.uint8
+        if self.states == "bf16":
+            return torch.bfloat16
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
     def _init_state(self, p: nn.Parameter, state: dict) -> None:
         state["step"] = torch.tensor(0.0)
-        math_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         rows = _rows(p)
         cols = p.numel() // rows
         for name, signed in zip(self.rule.state_names, self.rule.state_signed, strict=True):
-            if self.states == "int8" and p.dim() >= 2:
+            dtype = self._state_dtype(p, signed)
+            if dtype in (torch.int8, torch.uint8):
                 nb = -(-cols // precision.QBLOCK)
-                code_dtype = torch.int8 if signed else torch.uint8
-                state[name] = torch.zeros((rows, cols), dtype=code_dtype, device=p.device)
+                state[name] = torch.zeros((rows, cols), dtype=dtype, device=p.device)
                 state[f"{name}_scale"] = torch.zeros((rows, nb), device=p.device)
             else:
-                state[name] = torch.zeros(p.shape, dtype=math_dtype, device=p.device)
+                state[name] = torch.zeros(p.shape, dtype=dtype, device=p.device)
 
     def _update_rows(self, p, state, r0, g_RH, scalars, gen) -> None:
         """Load rows r0:r0+R of W and its states, apply the rule, store them back.
 
         The rule runs in place (`_inplace.inplace_variant`) on tiles this method owns: views of
-        W and fp32 states that it overwrites anyway, private copies otherwise, and g_RH, which
-        every caller hands over (a fresh GEMM tile or a gradient it has already detached).
+        W and fp32 states that it overwrites anyway, private copies otherwise (an up-cast bf16
+        tile, a dequantized 8-bit one), and g_RH, which every caller hands over (a fresh GEMM
+        tile or a gradient it has already detached). bf16 stores (states, then the weight) round
+        stochastically from `gen` when it is given, to nearest otherwise.
         """
         r1 = r0 + g_RH.shape[0]
         w2 = p.view(_rows(p), -1)
@@ -516,7 +512,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 s_in.append(precision.dequantize(s[r0:r1], state[f"{name}_scale"][r0:r1], signed))
             else:
                 views.append(s.view(w2.shape)[r0:r1])
-                s_in.append(views[-1])
+                s_in.append(views[-1] if s.dtype == g_RH.dtype else views[-1].to(g_RH.dtype))
         s2 = s_in[1] if len(s_in) > 1 else None
         w_new, s1_new, s2_new = self._update_inplace(w_RH, g_RH, s_in[0], s2, *scalars)
         for name, signed, new, view in zip(
@@ -526,9 +522,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 codes, scale = precision.quantize(new, signed)
                 state[name][r0:r1] = codes
                 state[f"{name}_scale"][r0:r1] = scale
+            elif view.dtype == torch.bfloat16 and gen is not None:
+                view.copy_(precision.stochastic_round_to_bf16(new, gen))
             elif new is not view:
-                view.copy_(new)
-        if p.dtype == torch.bfloat16 and self.rounding == "stochastic":
+                view.copy_(new)  # bf16: round to nearest even
+        if p.dtype == torch.bfloat16 and gen is not None:
             w_new = precision.stochastic_round_to_bf16(w_new, gen)
         if w_new is not w_view:
             w_view.copy_(w_new)  # in place under no_grad: bumps W's version counter
@@ -539,7 +537,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return (self.seed * 1_000_003 + self._param_index[p] * 7_919 + step) % (2**31 - 1)
 
     def _sr_generator(self, p: nn.Parameter, state: dict) -> torch.Generator | None:
-        if p.dtype != torch.bfloat16 or self.rounding != "stochastic":
+        """The stream of p's stochastic rounding this step (None: no bf16 store, or nearest)."""
+        if self.rounding != "stochastic":
+            return None
+        if p.dtype != torch.bfloat16 and self.states != "bf16":
             return None
         gen = torch.Generator(device=p.device)
         gen.manual_seed(self._sr_seed(p, state))
@@ -558,11 +559,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
             )
         if closure is not None:
             raise ValueError("FORGE: step(closure) is not supported; updates happen in backward")
+        held = self._held_grads()
+        if held and (not self._num_armed or self.accumulation_steps > 1):
+            raise ValueError(
+                f"FORGE: opt.step() found gradients in {held[:3]} from a backward that was not "
+                "opt.backward(loss) (e.g. loss.backward()), and FORGE never applies those: it "
+                "updates inside opt.backward(loss), which stores no gradient. Call "
+                "opt.backward(loss) instead of loss.backward(); opt.zero_grad() drops these. "
+                "Nothing was updated."
+            )
         if self.accumulation_steps > 1:
             self._step_accumulated()
         self._updated.clear()
+        self._num_armed = 0
         for h in self._handles:
-            h.pending = 0
+            h.last = None
         return None
 
     def _step_accumulated(self) -> None:
@@ -591,7 +602,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._num_backward.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's zero_grad. Fused weights never keep a gradient: one left by a backward
+        other than opt.backward(loss) is dropped even with set_to_none=False."""
         super().zero_grad(set_to_none=set_to_none)
+        for p in self._fused:
+            p.grad = None
+        self._stray.clear()
         for buf in self._accum.values():
             buf.zero_()
         self._num_backward.clear()
@@ -611,9 +627,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state_dict from `state_dict()`; state dtypes are kept (no cast to the params')."""
+        """Load a state_dict from `state_dict()` or from torch.optim's AdamW / SGD (same layout:
+        states keyed by parameter index in group order, torch's state names). Float states are
+        cast to this optimizer's state dtype (fp32, or bf16 with states="bf16"); 8-bit states
+        load only from a FORGE state_dict with states="int8"."""
         meta = state_dict.get("forge", {"rule": self.rule.name, "states": self.states})
-        if (meta["rule"], meta["states"]) != (self.rule.name, self.states):
+        states_ok = meta["states"] == self.states or "int8" not in (meta["states"], self.states)
+        if meta["rule"] != self.rule.name or not states_ok:
             raise ValueError(
                 f"FORGE: state_dict is for rule={meta['rule']!r} states={meta['states']!r}, "
                 f"this optimizer has rule={self.rule.name!r} states={self.states!r}"
@@ -621,17 +641,74 @@ class ForgeOptimizer(torch.optim.Optimizer):
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("FORGE: state_dict param groups do not match this optimizer's")
+        for entry in saved:
+            on = [k for k in ("amsgrad", "maximize", "nesterov") if entry.get(k)]
+            if on:
+                raise ValueError(f"FORGE: state_dict has {on} set, which FORGE does not support")
         for group, entry in zip(self.param_groups, saved, strict=True):
             group.update({k: v for k, v in entry.items() if k != "params"})
         self.state.clear()
         for idx, s in state_dict["state"].items():
             p = self._params[int(idx)]
-            self.state[p] = {
-                k: v.detach().clone().to(p.device if k != "step" else v.device)
-                if torch.is_tensor(v)
-                else v
-                for k, v in s.items()
-            }
+            self.state[p] = self._loaded_state(p, s)
+
+    def _loaded_state(self, p: nn.Parameter, s: dict) -> dict:
+        out = {}
+        for k, v in s.items():
+            if not torch.is_tensor(v):
+                continue  # torch's SGD keeps momentum_buffer=None before its first step
+            v = v.detach().clone()
+            if k == "step":
+                out[k] = v.float()
+                continue
+            v = v.to(p.device)
+            signed = dict(zip(self.rule.state_names, self.rule.state_signed, strict=True)).get(k)
+            if signed is not None:
+                want = self._state_dtype(p, signed)
+                if (v.dtype in (torch.int8, torch.uint8)) != (want in (torch.int8, torch.uint8)):
+                    raise ValueError(
+                        f"FORGE: state '{k}' of '{self._names.get(p, '?')}' is {v.dtype}, "
+                        f"which states={self.states!r} cannot load"
+                    )
+                v = v.to(want)
+            out[k] = v
+        if out and "step" not in out:  # torch's SGD keeps no step; momentum_buffer means >= 1
+            out["step"] = torch.tensor(1.0)
+        if out and any(n not in out for n in self.rule.state_names):
+            out = {}  # nothing to resume for this parameter's rule: starts fresh
+        return out
+
+
+def _check_model_argument(model) -> None:
+    """The torch.optim habit ForgeOptimizer(model.parameters(), ...) gets a message, not an
+    AttributeError: FORGE replaces the model's nn.Linear backwards, so it needs the module."""
+    if isinstance(model, nn.Module):
+        return
+    got = type(model).__name__
+    raise TypeError(
+        f"FORGE: ForgeOptimizer takes the model first, ForgeOptimizer(model, ...), got a {got}: "
+        "it installs the fused backward on the model's nn.Linear layers, so it needs the module "
+        "itself, not model.parameters(); to train a subset or set param groups pass them second, "
+        "ForgeOptimizer(model, params, ...)"
+    )
+
+
+def _check_options(rule: str, defaults: dict, backend: str, states: str, rounding: str) -> None:
+    if rule not in RULES:
+        raise ValueError(f"FORGE: rule={rule!r} is unknown; choose one of {sorted(RULES)}")
+    unknown = set(defaults) - set(RULES[rule].defaults)
+    if unknown:
+        raise ValueError(
+            f"FORGE: {sorted(unknown)} are not hyperparameters of rule {rule!r}; "
+            f"it takes {sorted(RULES[rule].defaults)}"
+        )
+    for key, allowed, value in (
+        ("backend", _BACKENDS, backend),
+        ("states", _STATES, states),
+        ("rounding", _ROUNDING, rounding),
+    ):
+        if value not in allowed:
+            raise ValueError(f"FORGE: {key}={value!r} is unknown; choose one of {allowed}")
 
 
 def _weak_hook(opt: ForgeOptimizer, method: str) -> Callable[[torch.Tensor], None]:

@@ -12,6 +12,11 @@ GPU (exact under the interpreter): the IEEE-rounded tl.div_rn / tl.sqrt_rn were 
 H100 to change the 20-step AdamW parity only from 5.9e-7 to 5.5e-7 but to slow the kernel by
 4-16% at 512 tokens, so they are not used.
 
+States are fp32, bf16 (loaded to fp32, stored with stochastic rounding from the same Philox call
+as a bf16 weight's: one `tl.randint4x` gives the three streams), or 8-bit codes. The launch is
+one kernel per layer whatever the number of tiles (the grid covers them all), so its host cost
+does not grow with the layer's size.
+
 Shapes: BT tokens, V out_features (rows of W), H in_features; BV x BH a W tile, BK a token block.
     dy_BTV (512, 4096) fp32   x_BTH (512, 1024) fp32   w_VH (4096, 1024) fp32 or bf16
 """
@@ -141,6 +146,19 @@ def _requant(x, q_ptr, sc_ptr, idx, sidx, mask, row_mask, SIGNED: tl.constexpr):
     tl.store(sc_ptr + sidx, scale, mask=row_mask)
 
 
+@triton.jit
+def _round_bf16(x, noise, SR: tl.constexpr):
+    """fp32 tile -> the fp32 value of its bf16 store. SR: add a uniform 16-bit integer below the
+    kept bits and truncate (unbiased); otherwise round to nearest even. NaNs pass through."""
+    if SR:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (noise & 0xFFFF)) & 0xFFFF0000
+        out = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    else:
+        out = x.to(tl.bfloat16).to(tl.float32)
+    return out
+
+
 # Over the 80-line limit the rest of the code keeps: 36 of its lines are the launch arguments,
 # one per line with its shape; the body (about 50 lines) is one tile's K loop, then the update of
 # that tile while its weight gradient is still in registers.
@@ -149,7 +167,7 @@ def _fused_wgrad_kernel(
     dy_ptr,  # (BT, V) fp32, or bf16 when X is bf16; row-major
     x_ptr,  # (BT, H) same dtype as dY, row-major
     w_ptr,  # (V, H) fp32 or bf16, row-major; updated in place
-    s1_ptr,  # (V, H) fp32 state, or its 8-bit codes when Q8
+    s1_ptr,  # (V, H) fp32 or bf16 state, or its 8-bit codes when Q8
     s2_ptr,  # (V, H) second state (unused when NUM_STATES == 1)
     sc1_ptr,  # (V, NB) fp32 block scales of s1 when Q8 (NB = cdiv(H, BH), BH == QBLOCK)
     sc2_ptr,  # (V, NB) block scales of s2 when Q8
@@ -171,7 +189,9 @@ def _fused_wgrad_kernel(
     RULE: tl.constexpr,
     NUM_STATES: tl.constexpr,
     MODE: tl.constexpr,  # 0: update, 1: sum of squares only
-    SR: tl.constexpr,  # stochastic rounding of a bf16 weight store
+    SR: tl.constexpr,  # stochastic rounding of bf16 stores (else round to nearest even)
+    BF16W: tl.constexpr,  # the weight is stored in bf16
+    BF16S: tl.constexpr,  # the states are stored in bf16
     Q8: tl.constexpr,  # 8-bit states, one scale per (row, BH columns)
     SIGNED1: tl.constexpr,  # s1 is signed (int8 absmax codes) or non-negative (sqrt, uint8)
     SIGNED2: tl.constexpr,
@@ -215,23 +235,26 @@ def _fused_wgrad_kernel(
             s1 = _dequant(s1_ptr, sc1_ptr, idx, sidx, mask, offs_v < V, SIGNED1)
             s2 = _dequant(s2_ptr, sc2_ptr, idx, sidx, mask, offs_v < V, SIGNED2)
         else:
-            s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0)
-            s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0)
+            s1 = tl.load(s1_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            s2 = tl.load(s2_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         w, s1, s2 = RULE(w, g, s1, s2, h0, h1, h2, h3, h4, h5, h6, h7)
+        if SR:  # one Philox call: the rounding streams of the weight, s1 and s2 of this element
+            r_w, r_s1, r_s2, _ = tl.randint4x(seed, idx)
+        else:
+            r_w, r_s1, r_s2 = idx, idx, idx  # unused: round to nearest
         if Q8:
             _requant(s1, s1_ptr, sc1_ptr, idx, offs_v * NB + pid_h, mask, offs_v < V, SIGNED1)
             if NUM_STATES == 2:
                 _requant(s2, s2_ptr, sc2_ptr, idx, offs_v * NB + pid_h, mask, offs_v < V, SIGNED2)
         else:
-            tl.store(s1_ptr + idx, s1, mask=mask)
+            if BF16S:
+                s1 = _round_bf16(s1, r_s1, SR)
+                s2 = _round_bf16(s2, r_s2, SR)
+            tl.store(s1_ptr + idx, s1.to(s1_ptr.dtype.element_ty), mask=mask)
             if NUM_STATES == 2:
-                tl.store(s2_ptr + idx, s2, mask=mask)
-        if SR:
-            # add a uniform 16-bit integer below the kept bits, truncate: unbiased rounding
-            noise = tl.randint(seed, idx) & 0xFFFF
-            bits = w.to(tl.uint32, bitcast=True)
-            bits = (bits + noise) & 0xFFFF0000
-            w = tl.where(w != w, w, bits.to(tl.float32, bitcast=True))
+                tl.store(s2_ptr + idx, s2.to(s2_ptr.dtype.element_ty), mask=mask)
+        if BF16W:
+            w = _round_bf16(w, r_w, SR)
         tl.store(w_ptr + idx, w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
@@ -266,7 +289,9 @@ def _launch(dy_BTV, x_BTH, w, s, sc, sumsq, rule, scalars, coef, seed, mode, blo
         RULE=_TL_RULES[rule.name],
         NUM_STATES=len(rule.state_names),
         MODE=mode,
-        SR=w.dtype == torch.bfloat16 and seed >= 0,
+        SR=seed >= 0,
+        BF16W=w.dtype == torch.bfloat16,
+        BF16S=s[0].dtype == torch.bfloat16,
         Q8=sc[0] is not None,
         SIGNED1=signed[0], SIGNED2=signed[1],
         IEEE=x_BTH.dtype == torch.float32,
@@ -277,10 +302,12 @@ def _launch(dy_BTV, x_BTH, w, s, sc, sumsq, rule, scalars, coef, seed, mode, blo
 def fused_linear_update(
     dy_BTV, x_BTH, w, state, rule: Rule, scalars, coef: float, seed: int | None, block=None
 ) -> None:
-    """Update W (V, H) and its states in place from dY and X; seed None: round to nearest.
+    """Update W (V, H) and its states in place from dY and X. seed: the Philox seed of the
+    stochastic rounding of every bf16 store (a bf16 weight, bf16 states); None: round to nearest.
 
-    States are fp32 tensors of W's shape, or 8-bit codes with `<name>_scale` (V, NB) tensors,
-    in which case the tile width BH must equal precision.QBLOCK so a tile row is one block.
+    States are fp32 or bf16 tensors of W's shape, or 8-bit codes with `<name>_scale` (V, NB)
+    tensors, in which case the tile width BH must equal precision.QBLOCK so a tile row is one
+    block.
     dY and X in bf16 (both, on a GPU) feed the tensor cores with an fp32 accumulator; anything
     else is up-cast to fp32 and multiplied exactly ("ieee"). block: (BV, BH, BK[, num_warps,
     num_stages]); None: default_block.
