@@ -307,7 +307,9 @@ class _Sim:
             w.model.load_state_dict(copy.deepcopy(state["model"]))
         w.inner.load_state_dict(copy.deepcopy(state["inner"]))
         w.strategy.load_state_dict(copy.deepcopy(state["outer"]))
+        # the rendezvous keys of algorithm and metric collectives (the guard's norm exchange)
         w.comm.seq, w.comm._op_seq = src.comm.seq, src.comm._op_seq
+        w.comm.metric_seq = src.comm.metric_seq
         start = max(wd.clock[nb], wd.link_free[nb])
         done = start + wd.net.pair_s(nbytes, i, nb)
         wd.link_free[nb] = done
