@@ -41,6 +41,8 @@ TRAIN = [
     ("timeout-inf", ["--set", "run.timeout_s=inf"], "run.timeout_s = inf: must be a finite"),
     ("timeout-nan", ["--set", "run.timeout_s=nan"], "run.timeout_s = nan: must be a finite"),
     ("mix1-deadline", ["--set", "run.mix1_deadline_s=-1"], "run.mix1_deadline_s = -1.0"),
+    ("deadline-factor", ["--set", "run.deadline_factor=0.5"], "run.deadline_factor = 0.5"),
+    ("deadline-floor", ["--set", "run.deadline_floor_s=0"], "run.deadline_floor_s = 0"),
     ("name-escapes", ["--name", "../escape"], "run.name = '../escape': must be a plain name"),
     ("name-absolute", ["--name", "/tmp/abs"], "run.name = '/tmp/abs': must be a plain name"),
     ("name-nested", ["--name", "a/b"], "run.name = 'a/b': must be a plain name"),

@@ -34,6 +34,8 @@ def test_key_set_is_pinned():
             "progress",
             "fault_tolerance",
             "mix1_deadline_s",
+            "deadline_factor",
+            "deadline_floor_s",
             "guard",
             "guard_factor",
             "inject",

@@ -12,8 +12,13 @@ How a failure is handled (every worker runs the same code):
             thing everywhere. Blocking gossip travels as gathers, so a missing worker breaks an
             operation for every member alike (never for some only).
     wait    polls the operation; it fails on a gloo error (a killed peer closes its sockets),
-            on the deadline (run.timeout_s of waiting: a silent or too slow peer), or when
-            another worker has marked the epoch broken in the store.
+            when a member's heartbeat has stopped for the heartbeat timeout (a hung, stopped or
+            cut-off peer: seen within seconds, not at run.timeout_s), on the adaptive deadline
+            (run.deadline_factor x the p90 of recent round times, within [run.deadline_floor_s,
+            run.timeout_s]: a peer alive but stuck; the members that have not posted the
+            operation are cut out of the rendezvous), or when another worker has marked the
+            epoch broken in the store. Groups of past epochs are kept, never destroyed (a gloo
+            group's destructor waits for its pending operations, up to run.timeout_s).
     recover mark epoch e broken (the first reason wins) and re-rendezvous: the round closes
             once every old participant has left it or been dropped for a missed keep-alive
             (dead, stopped, cut off), and the survivors form the next one. A member the others
@@ -62,7 +67,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
 from frugaltrain.comm.guard import Guard, norm_of, verdict
-from frugaltrain.comm.rendezvous import Membership, Round
+from frugaltrain.comm.rendezvous import Membership, Round, evict_key
 from frugaltrain.faults import Injector, corrupt_, fire
 
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
@@ -128,6 +133,8 @@ class ElasticComm(Comm):
         *,
         timeout_s: float,
         mix1_deadline_s: float = 10.0,
+        deadline_factor: float = 4.0,
+        deadline_floor_s: float = 60.0,
         injector: Injector | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -139,11 +146,17 @@ class ElasticComm(Comm):
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
         self.mix1_deadline_s = mix1_deadline_s
+        self.deadline_factor, self.deadline_floor_s = deadline_factor, deadline_floor_s
+        self._round_ends: list[float] = []  # monotonic time of the last round ends (deadline)
         self.hb_timeout_s = max(1.0, min(3.0, timeout_s / 4))
         self.injector = injector
         self.incarnation = incarnation
         self.epoch = -1
         self.pg = None
+        # Groups of past epochs, never destroyed: a gloo group's destructor waits for its pending
+        # operations, and an operation a hung peer never joined ends only at run.timeout_s.
+        # Workers leave with os._exit, so these are never torn down.
+        self._retired: list = []
         self.seq = 0
         self.log: list[_Op] = []
         self.round = 0
@@ -230,6 +243,9 @@ class ElasticComm(Comm):
             if previous >= 0:  # how a worker left behind in `previous` learns it was dropped
                 self.store.compare_set(f"ft/ep/{previous}/next", "", str(rnd.epoch))
             try:
+                if self.pg is not None:
+                    self._retired.append(self.pg)
+                    self.pg = None
                 self.pg = self._group(rnd)
             except Exception as e:  # a member is gone already: one more round
                 self._report(f"group setup: {_short(e)}")
@@ -298,6 +314,7 @@ class ElasticComm(Comm):
             drop = {id(o) for o in done[: len(done) - _LOG_KEEP]}
             self.log = [o for o in self.log if id(o) not in drop]
         self._launch(op)
+        self.store.set(f"ft/posted/{self.rank}", str(op.seq))  # who is stuck, at a deadline
         return op
 
     def _completed(self, op: _Op) -> bool:
@@ -307,6 +324,8 @@ class ElasticComm(Comm):
         while not op.done:
             t_wait = time.monotonic()
             next_check = t_wait + 0.05
+            beats = {m: (self._heartbeat(m), t_wait) for m in op.members if m != self.rank}
+            deadline, why = self.deadline()
             reason = None
             while reason is None:
                 if all(w.is_completed() for w in op.works):
@@ -322,16 +341,55 @@ class ElasticComm(Comm):
                     op.done, op.result = True, self._result(op)
                     return op.result
                 now = time.monotonic()
-                if now - t_wait > self.timeout_s:
-                    reason = f"no answer within run.timeout_s = {self.timeout_s:g} s"
+                if now - t_wait > deadline:
+                    reason = self._evict_stuck(op, why)
                 elif now >= next_check:
                     next_check = now + 0.05
                     if self._has(f"ft/ep/{op.epoch}/broken"):
                         reason = "another worker reported a failure"
+                    else:  # a silent member fails the wait now, a straggler is waited for
+                        reason = self._silent_member(beats, now)
                 time.sleep(0.001)
             self.stats.recovery_s += time.monotonic() - t_wait  # the wait that found the failure
             self._recover(reason)
         return op.result
+
+    def deadline(self) -> tuple[float, str]:
+        """How long a blocking wait may last, and why: run.deadline_factor x the 90th percentile
+        of the last 20 rounds' wall times, within [run.deadline_floor_s, run.timeout_s];
+        run.timeout_s until three rounds have been timed."""
+        ends = self._round_ends
+        if len(ends) < 4:
+            return self.timeout_s, f"run.timeout_s = {self.timeout_s:g} s"
+        p90 = float(np.percentile(np.diff(ends), 90))
+        d = min(self.timeout_s, max(self.deadline_floor_s, self.deadline_factor * p90))
+        return d, f"{d:.1f} s: {self.deadline_factor:g} x p90 round {p90:.2f} s, floor " + (
+            f"{self.deadline_floor_s:g} s, cap run.timeout_s = {self.timeout_s:g} s"
+        )
+
+    def _evict_stuck(self, op: _Op, why: str) -> str:
+        """The deadline passed. Members that have not posted `op` (alive, their heartbeats
+        beating, but stuck) are cut out of the rendezvous, so the others re-form without them;
+        when one wakes up it finds itself evicted and restarts."""
+        stuck = [m for m in op.members if m != self.rank and self._posted(m) < op.seq]
+        for m in stuck:
+            self.store.set(evict_key(m, int(self.store.get(f"ft/incarnation/{m}"))), "1")
+        return (f"workers {stuck}: " if stuck else "") + f"no answer within the deadline ({why})"
+
+    def _posted(self, member: int) -> int:
+        key = f"ft/posted/{member}"
+        return int(self.store.get(key)) if self._has(key) else -1
+
+    def _silent_member(self, beats: dict[int, tuple[int, float]], now: float) -> str | None:
+        """The first member whose heartbeat has not moved for the heartbeat timeout (hung,
+        stopped or cut off); `beats` holds each one's last count and when it moved."""
+        for member, (last, since) in beats.items():
+            beat = self._heartbeat(member)
+            if beat != last:
+                beats[member] = (beat, now)
+            elif now - since > self.hb_timeout_s:
+                return f"worker {member}: no heartbeat for {self.hb_timeout_s:g} s"
+        return None
 
     # ---- recovery
     def _recover(self, reason: str) -> None:
@@ -339,6 +397,9 @@ class ElasticComm(Comm):
         alive, and re-post what was interrupted."""
         t0 = time.monotonic()
         reason = self.store.compare_set(f"ft/ep/{self.epoch}/broken", "", reason).decode()
+        if self.injector and self.injector.dies_in_recovery(self.round + 1):
+            print(f"[worker {self.rank} round {self.round + 1}] injected fault: kill", flush=True)
+            fire("kill")  # while the others re-form
         old = list(self.members)
         self._rendezvous("recover")
         if self.members == old:  # e.g. a partition that healed before the others agreed
@@ -634,6 +695,10 @@ class ElasticComm(Comm):
                 self._silent.clear()
                 print(f"[worker {self.rank} step {step}] partition healed", flush=True)
                 return
+            if fault == "stall":  # heartbeats go on: only the adaptive deadline sees it
+                time.sleep(self.injector.stall_s)
+                print(f"[worker {self.rank} step {step}] stall over", flush=True)
+                return
             if fault == "hang":
                 self._stop.set()  # heartbeats stop with the process
                 time.sleep(2 * _HB_PERIOD_S)
@@ -643,6 +708,7 @@ class ElasticComm(Comm):
         """At a round end: admit restarted workers (same decision on every member) and send
         them this worker's state if it is the donor."""
         self.round = round_idx
+        self._round_ends = [*self._round_ends[-20:], time.monotonic()]
         self.store.set(f"ft/at/{self.rank}", str(round_idx))
         reason = self._broken()
         if reason is not None:  # e.g. a Mix1 peer failed this round

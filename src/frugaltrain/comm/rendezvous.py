@@ -30,6 +30,7 @@ import json
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,27 +54,44 @@ _PREFIX = "ft/rdzv"
 
 
 class _Backend(C10dRendezvousBackend):
-    """The c10d backend, which an injected partition can cut: while `cut` is set this worker
-    cannot reach the rendezvous (its keep-alives fail, so the others drop it, as in a real
-    partition)."""
+    """The c10d backend, which can be cut: while `cut` is set (an injected partition), or once
+    the others have marked this worker incarnation evicted (alive but stuck past the deadline,
+    comm/elastic.py), this worker cannot reach the rendezvous: its keep-alives fail, so the
+    others drop it, as in a real partition."""
 
-    def __init__(self, store: dist.Store, run_id: str) -> None:
+    def __init__(self, store: dist.Store, run_id: str, evicted: Callable[[], bool]) -> None:
         super().__init__(store, run_id)
         self.cut = threading.Event()
+        self.evicted = evicted
 
-    def get_state(self):
+    def _check(self) -> None:
         if self.cut.is_set():
             raise RendezvousConnectionError("cut off by an injected partition")
+        if self.evicted():
+            raise RendezvousConnectionError("evicted by the others (stuck past the deadline)")
+
+    def get_state(self):
+        self._check()
         return super().get_state()
 
     def set_state(self, state: bytes, token=None):
-        if self.cut.is_set():
-            raise RendezvousConnectionError("cut off by an injected partition")
+        self._check()
         return super().set_state(state, token)
 
 
+def evict_key(worker: int, incarnation: int) -> str:
+    """The store key that cuts one incarnation of a worker out of the rendezvous."""
+    return f"ft/evict/{worker}:{incarnation}"
+
+
 def _handler(
-    host: str, port: int, world_size: int, name: str, timeout_s: float, hb_timeout_s: float
+    host: str,
+    port: int,
+    world_size: int,
+    name: str,
+    timeout_s: float,
+    hb_timeout_s: float,
+    evict: str = "",
 ) -> tuple[DynamicRendezvousHandler, _Backend, dist.TCPStore]:
     # The rendezvous hands back the run's store; do not start a second TCPStore on the rank 0
     # of each round (torch's default, meant for its own agent).
@@ -82,7 +100,7 @@ def _handler(
         host, port, is_master=False, timeout=timedelta(seconds=max(60.0, timeout_s))
     )
     store = dist.PrefixStore(_PREFIX, client)
-    backend = _Backend(store, RUN_ID)
+    backend = _Backend(store, RUN_ID, lambda: bool(evict) and client.check([evict]))
     handler = DynamicRendezvousHandler.from_backend(
         RUN_ID,
         store,
@@ -164,7 +182,13 @@ class Membership:
         self.worker, self.incarnation = worker, incarnation
         self.timeout_s = timeout_s
         self.handler, self.backend, self.client = _handler(
-            host, port, world_size, f"worker{worker}", timeout_s, hb_timeout_s
+            host,
+            port,
+            world_size,
+            f"worker{worker}",
+            timeout_s,
+            hb_timeout_s,
+            evict_key(worker, incarnation),
         )
 
     def next(self, purpose: str, epoch: int, round_idx: int) -> Round:

@@ -75,7 +75,8 @@ class RunSection(Section):
     """Compute precision of the inner steps: fp32, or bf16 (autocast of forward passes, on CPU
     and GPU); weights, inner optimizer states and all outer state stay fp32."""
     timeout_s: float = 300.0
-    """Timeout of every collective, in seconds."""
+    """Timeout of every collective, in seconds (with fault tolerance: the longest any wait may
+    last, before three rounds have been timed and as a cap on the adaptive deadline)."""
     deterministic_comm: bool = False
     """Reduce all-reduces as gather + fp64 sum in rank order (bit-identical to the simulator and
     order-independent) instead of the native ring all-reduce; costs (M-1) S instead of
@@ -90,6 +91,14 @@ class RunSection(Section):
     """Fault-tolerant runtime: the longest a worker waits at a round end for Mix1 messages still
     missing (a straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and
     the row renormalized, so Mix1 never waits on a straggler beyond this."""
+    deadline_factor: float = 4.0
+    """Fault-tolerant runtime: a blocking wait fails after this multiple of the 90th percentile
+    of the last rounds' wall times (a peer alive, its heartbeat beating, but stuck), at least
+    run.deadline_floor_s and at most run.timeout_s. A peer whose heartbeat stops is dropped
+    within seconds whatever this is."""
+    deadline_floor_s: float = 60.0
+    """The shortest adaptive deadline, in seconds: slack for what a round can legitimately
+    contain on one peer only (a checkpoint write, a slow evaluation)."""
     guard: str = "reject"
     """What happens to a contribution (pseudo-gradient or parameters) far outside the others
     before it is averaged or mixed: reject (left out; its sender takes its peers' values), clip
@@ -100,7 +109,8 @@ class RunSection(Section):
     an outlier."""
     inject: str = ""
     """Faults to inject (needs fault_tolerance), ';'-separated: 'kill:worker=2,round=5',
-    'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5', 'slow:worker=1,factor=3',
+    'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5',
+    'stall:worker=1,round=3,seconds=60', 'slow:worker=1,factor=3',
     'drop:p=0.1', 'corrupt:worker=1,round=3,value=1e30' (see frugaltrain.faults)."""
 
     def check(self) -> None:
@@ -118,6 +128,8 @@ class RunSection(Section):
         self.one_of("dtype", ("fp32", "bf16"))
         self.positive("timeout_s")
         self.positive("mix1_deadline_s")
+        self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
+        self.positive("deadline_floor_s")
         self.one_of("guard", ("reject", "clip", "off"))
         self.require(self.guard_factor > 1, "guard_factor", "must be above 1 (the median itself)")
         self.require(

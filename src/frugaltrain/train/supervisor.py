@@ -194,6 +194,8 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
         cfg.run.workers,
         timeout_s=cfg.run.timeout_s,
         mix1_deadline_s=cfg.run.mix1_deadline_s,
+        deadline_factor=cfg.run.deadline_factor,
+        deadline_floor_s=cfg.run.deadline_floor_s,
         injector=injector,
         host=host,
         port=port,

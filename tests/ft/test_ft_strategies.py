@@ -1,0 +1,170 @@
+"""Recovery in every strategy on the real runtime: 3 gloo worker processes, faults injected,
+run.timeout_s left at its default (300 s) so that no recovery may lean on it.
+
+Bounds are asserted from the rounds' recorded wall times: the longest gap between two round ends
+is at most what detects the fault (a gloo error, the heartbeat timeout, the adaptive deadline)
+plus the rendezvous that re-forms the group plus two rounds (the one in flight and the next),
+with slack for a busy machine; never run.timeout_s. Every worker sleeps 0.1 s after each inner
+step (no CPU used) so that rounds last long enough for a killed worker to restart and rejoin.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from frugaltrain.metrics.log import read_metrics
+from frugaltrain.train import launch
+
+GENTLE = ["outer.lr=0.5", "outer.momentum=0.5"]  # a calm outer step (test_ft_faults.py)
+STRATEGIES = {
+    "ddp": ["outer.strategy='ddp'"],
+    "diloco": ["outer.strategy='diloco'", *GENTLE],
+    "fgd": ["outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'", *GENTLE],
+    "noloco": ["outer.strategy='noloco'", *GENTLE],
+    "streaming": [
+        "outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1", "model.n_layer=2",
+        *GENTLE,
+    ],
+}  # fmt: skip
+COMMON = [
+    "run.workers=3",
+    "outer.H=4",
+    "model.n_embd=48",
+    "run.eval_every=0",
+    "run.eval_batches=4",
+    "run.threads=1",
+    "run.fault_tolerance=true",
+    "run.timeout_s=300",
+]
+HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/elastic.py)
+RENDEZVOUS_S = 7.0  # keep-alive expiry, polls and the last call of a re-forming round
+
+
+def _run(cfg) -> tuple[Path, list[dict]]:
+    run_dir = launch.new_run_dir(cfg)
+    launch.run(cfg, run_dir)
+    return run_dir, read_metrics(run_dir / "metrics.jsonl")
+
+
+def _check_run(run_dir: Path, records: list[dict], rounds: int, detect_s: float) -> dict:
+    """Every round logged, parameters finite, the worst stall within the bound; returns the
+    membership events by kind."""
+    logged = [r for r in records if r.get("kind") == "round"]
+    assert [r["round"] for r in logged] == list(range(1, rounds + 1))
+    walls = [r["time/wall_s"] for r in logged]
+    gaps = [b - a for a, b in zip(walls, walls[1:], strict=False)]
+    stall, typical = max(gaps), statistics.median(gaps)
+    assert stall < detect_s + RENDEZVOUS_S + 2 * typical + 6.0 < 300, (stall, typical, walls)
+    assert sum(r["time/recovery_s"] for r in logged) > 0
+    final = sorted((run_dir / "checkpoints").glob("round_*"))[-1]
+    for path in final.glob("worker_*.pt"):
+        model = torch.load(path, weights_only=False)["model"]
+        assert all(torch.isfinite(t).all() for t in model.values() if t.is_floating_point())
+    events: dict[str, list[dict]] = {}
+    for e in (r for r in records if r.get("kind") == "membership"):
+        events.setdefault(e["event"], []).append(e)
+    return events
+
+
+def _left(events: dict) -> list[int]:
+    return [w for e in events.get("left", []) for w in e["workers"]]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_kill_rejoin_then_hang(config_factory, tmp_path: Path, strategy: str):
+    # Worker 2 is killed mid-round 3, restarted, and rejoins from a peer; worker 1 then stops
+    # (SIGSTOP, heartbeats included) mid-round 35 and is dropped by its silent heartbeat.
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        *STRATEGIES[strategy],
+        "run.steps=200",
+        "run.inject='kill:worker=2,round=3;hang:worker=1,round=35;slow:seconds=0.1'",
+    )
+    run_dir, records = _run(cfg)
+    events = _check_run(run_dir, records, 50, HB_S)
+    assert _left(events) == [2, 1], events  # the two faulted workers, nobody healthy
+    rejoined = events["rejoined"]
+    assert [e["worker"] for e in rejoined] == [2] and rejoined[0]["match"], rejoined
+    assert "no heartbeat" in events["left"][1]["reason"], events["left"]
+    assert events["left"][1]["members"] == [0, 2]
+
+
+def test_double_kill_in_one_round(config_factory, tmp_path: Path):
+    # Two of three workers die in the same step: the survivor trains alone, both rejoin.
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        *STRATEGIES["fgd"],
+        "run.steps=160",
+        "run.inject='kill:worker=1,round=3;kill:worker=2,round=3;slow:seconds=0.1'",
+    )
+    run_dir, records = _run(cfg)
+    events = _check_run(run_dir, records, 40, HB_S)
+    assert sorted(_left(events)) == [1, 2], events
+    assert events["left"][-1]["members"] == [0]
+    assert sorted(e["worker"] for e in events["rejoined"]) == [1, 2], events
+    assert all(e["match"] for e in events["rejoined"])
+
+
+def test_kill_during_recovery(config_factory, tmp_path: Path):
+    # Worker 2 dies mid-round 3; worker 1 dies as it starts recovering from that: the rendezvous
+    # that re-forms the group loses a participant and worker 0 goes on alone; both rejoin.
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        *STRATEGIES["diloco"],
+        "run.steps=160",
+        "run.inject='kill:worker=2,round=3;kill:worker=1,round=3,at=recovery;slow:seconds=0.1'",
+    )
+    run_dir, records = _run(cfg)
+    events = _check_run(run_dir, records, 40, HB_S)
+    assert sorted(_left(events)) == [1, 2], events
+    assert sorted(e["worker"] for e in events["rejoined"]) == [1, 2], events
+
+
+def test_partition_in_a_blocking_strategy(config_factory, tmp_path: Path):
+    # Worker 1 is cut off for 12 s mid-round 3 during DiLoCo's all-reduce rounds: dropped by its
+    # silent heartbeat, it finds itself evicted when the partition heals, restarts and rejoins.
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        *STRATEGIES["diloco"],
+        "run.steps=200",
+        "run.inject='partition:worker=1,round=3,seconds=12;slow:seconds=0.1'",
+    )
+    run_dir, records = _run(cfg)
+    events = _check_run(run_dir, records, 50, HB_S)
+    assert _left(events) == [1] and "no heartbeat" in events["left"][0]["reason"], events
+    assert [e["worker"] for e in events["rejoined"]] == [1], events
+
+
+def test_stalled_worker_meets_the_adaptive_deadline(config_factory, tmp_path: Path):
+    # Worker 1's training stops for 12 s mid-round 8 while its heartbeats go on: only the
+    # deadline can find it. It adapts to the rounds measured so far (run.deadline_factor x their
+    # p90, floor run.deadline_floor_s = 2 s here), far below run.timeout_s = 300 s and below the
+    # stall itself: the others go on without worker 1, which rejoins when its stall is over.
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        *STRATEGIES["diloco"],
+        "run.steps=240",
+        "run.deadline_floor_s=2",
+        "run.inject='stall:worker=1,round=8,seconds=12;slow:seconds=0.1'",
+    )
+    run_dir, records = _run(cfg)
+    walls = [r["time/wall_s"] for r in records if r.get("kind") == "round"]
+    typical = statistics.median(b - a for a, b in zip(walls, walls[1:], strict=False))
+    detect_s = max(2.0, 4.0 * typical) * 1.5  # the p90 of the first rounds, with margin
+    events = _check_run(run_dir, records, 60, detect_s)
+    assert _left(events) == [1], events
+    reason = events["left"][0]["reason"]
+    assert "deadline" in reason and "p90 round" in reason, reason
+    deadline = float(reason.split("(")[1].split(" s")[0])
+    assert 2.0 <= deadline < 12 and math.isfinite(deadline)
+    assert [e["worker"] for e in events["rejoined"]] == [1], events
