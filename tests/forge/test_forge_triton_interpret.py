@@ -15,6 +15,8 @@ What is claimed, and checked:
   checked with both: the sums the exact checks make are exact in any order).
 - int8 trajectory: a bound, not equality (see INT8_BOUND below).
 - bf16 stochastic rounding: the same seed reproduces, another seed differs.
+- autotuned tiles: each candidate is timed once on copies (W and its states unchanged), the
+  fastest is kept and cached per layer shape; 8-bit states only try QBLOCK-wide tiles.
 - bf16 states: after one step from an exact gradient, every stored weight and state is one of
   the two bf16 neighbours of torch AdamW's fp32 value, and the mean over 16 seeds is within the
   rounding bound of it (as tests/forge/test_forge_bf16_states.py checks on the torch path).
@@ -196,6 +198,36 @@ SCRIPT = textwrap.dedent(
     print("bf16-states-far", far)
     print("bf16-states-seeded", int(all(torch.equal(a, b) for a, b in zip(again, runs[3])))
           * int(not torch.equal(runs[0][0], runs[1][0])))
+
+    # 5. autotuned tiles: every candidate timed once on copies (the real W and states are
+    # untouched), the fastest kept and cached per layer shape; 8-bit states time QBLOCK-wide ones
+    from frugaltrain.forge.rules import RULES
+    adam = RULES["adamw"]
+    dy, x = torch.randn(16, 64, generator=g), torch.randn(16, 32, generator=g)
+    timed = []
+    def fake_timer(run):
+        run()
+        timed.append(len(timed))
+        return [3.0, 2.0, 5.0, 1.0, 4.0, 6.0][len(timed) - 1]
+    for states, expect in (("fp32", triton_kernel.CANDIDATES[3]), ("int8", None)):
+        model = torch.nn.Linear(32, 64, bias=False)
+        opt = ForgeOptimizer(model, states=states, backend="triton", lr=1e-3)
+        w = model.weight
+        state = opt.state[w]
+        opt._init_state(w, state)
+        before = [t.clone() for t in (w, *[v for v in state.values() if torch.is_tensor(v)])]
+        scalars = adam.scalars(opt.param_groups[0], 1)
+        timed.clear()
+        got = triton_kernel.tuned_block(dy, x, w, state, adam, scalars, timer=fake_timer)
+        again = triton_kernel.tuned_block(dy, x, w, state, adam, scalars, timer=fake_timer)
+        after = [w, *[v for v in state.values() if torch.is_tensor(v)]]
+        fine = all(torch.equal(a, b) for a, b in zip(before, after)) and again == got
+        if states == "fp32":
+            fine = fine and got == expect and len(timed) == len(triton_kernel.CANDIDATES)
+        else:
+            wide = [c for c in triton_kernel.CANDIDATES if c[1] == precision.QBLOCK]
+            fine = fine and got[1] == precision.QBLOCK and len(timed) == len(wide)
+        print(f"autotune-{states}", int(fine))
     print("seconds", round(time.perf_counter() - t0, 1))
     """
 )
@@ -234,3 +266,4 @@ def test_triton_kernel_under_interpreter_matches_torch():
     assert lines["bf16-states-bracket"] == "0", out.stdout  # each store: a bf16 neighbour
     assert lines["bf16-states-far"] == "0", out.stdout  # unbiased: the mean over 16 seeds
     assert lines["bf16-states-seeded"] == "1", out.stdout
+    assert lines["autotune-fp32"] == lines["autotune-int8"] == "1", out.stdout

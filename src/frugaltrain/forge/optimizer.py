@@ -129,7 +129,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = accumulation_steps
         self.backend = backend
-        self.triton_block = None  # (BV, BH, BK[, warps, stages]); None: the kernel's default
+        # (BV, BH, BK[, warps, stages]); None: the kernel's default; "auto": timed per layer shape
+        self.triton_block = None
         self.num_skipped_steps = 0
         self._armed = False  # True only inside opt.backward(loss): fused layers update then
         self._mode = "update"  # "update" | "norm" (first pass of two-pass clipping)
@@ -341,7 +342,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 "nothing was updated."
             )
         block = self.triton_block
-        if self.backend == "triton" and self.states == "int8" and block is not None:
+        if self.backend == "triton" and self.states == "int8" and isinstance(block, tuple):
             if block[1] != precision.QBLOCK:
                 raise ValueError(
                     f"FORGE: 8-bit states need a Triton tile width of {precision.QBLOCK} columns; "

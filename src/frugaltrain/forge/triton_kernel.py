@@ -270,6 +270,50 @@ def default_block(dtype: torch.dtype, q8: bool, tokens: int) -> tuple[int, ...]:
     return (64, 64, 32, 4, 3)
 
 
+# The tiles the autotuner times: (BV, BH, BK, num_warps, num_stages). The first is the default;
+# 8-bit states keep only the QBLOCK-wide ones (one quantization block per tile row).
+CANDIDATES = (
+    (64, 64, 32, 4, 3),
+    (64, 128, 64, 4, 3),
+    (128, 64, 32, 4, 3),
+    (128, 128, 32, 8, 3),
+    (64, 64, 64, 4, 4),
+    (32, 64, 32, 2, 3),
+)
+_TUNED: dict[tuple, tuple] = {}  # (layer shape, dtypes, rule, state format) -> fastest tile
+
+
+def tuned_block(dy_BTV, x_BTH, w, state, rule: Rule, scalars, timer=None) -> tuple[int, ...]:
+    """The fastest candidate tile for this layer, timed once per (V, H, tokens, dtypes, rule,
+    state format) and cached. Each candidate runs on copies of W and its states, so the real
+    ones are untouched. `timer(run) -> seconds`; on a GPU, triton.testing.do_bench. Without a
+    GPU and without a timer (the interpreter, where timing means nothing) the default tile.
+    """
+    q8 = any(k.endswith("_scale") for k in state)
+    key = (*w.shape, x_BTH.shape[0], dy_BTV.dtype, x_BTH.dtype, w.dtype, rule.name)
+    key += tuple((k, v.dtype) for k, v in sorted(state.items()) if torch.is_tensor(v))
+    if key in _TUNED:
+        return _TUNED[key]
+    if timer is None and not w.is_cuda:
+        return default_block(x_BTH.dtype, q8, x_BTH.shape[0])
+    if timer is None:
+        timer = lambda run: triton.testing.do_bench(run, warmup=5, rep=20)  # noqa: E731
+    candidates = [c for c in CANDIDATES if not q8 or c[1] == QBLOCK]
+    times = []
+    for block in candidates:
+        w_copy = w.clone()
+        s_copy = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        times.append(
+            timer(
+                lambda b=block, wc=w_copy, sc=s_copy: fused_linear_update(
+                    dy_BTV, x_BTH, wc, sc, rule, scalars, 1.0, None, b
+                )
+            )
+        )
+    _TUNED[key] = candidates[min(range(len(times)), key=times.__getitem__)]
+    return _TUNED[key]
+
+
 def _launch(dy_BTV, x_BTH, w, s, sc, sumsq, rule, scalars, coef, seed, mode, block):
     BV, BH, BK = block[:3]
     opts = dict(zip(("num_warps", "num_stages"), block[3:], strict=False))
@@ -310,7 +354,7 @@ def fused_linear_update(
     block.
     dY and X in bf16 (both, on a GPU) feed the tensor cores with an fp32 accumulator; anything
     else is up-cast to fp32 and multiplied exactly ("ieee"). block: (BV, BH, BK[, num_warps,
-    num_stages]); None: default_block.
+    num_stages]); None: default_block; "auto": tuned_block (timed once per layer shape).
     """
     names = rule.state_names + rule.state_names[-1:]
     s = [state[n] for n in names[:2]]
@@ -318,6 +362,8 @@ def fused_linear_update(
     sc = [state[f"{n}_scale"] for n in names[:2]] if q8 else [None, None]
     if block is None:
         block = default_block(x_BTH.dtype, q8, x_BTH.shape[0])
+    elif block == "auto":
+        block = tuned_block(dy_BTV, x_BTH, w, state, rule, scalars)
     if q8 and block[1] != QBLOCK:
         raise ValueError(f"FORGE: 8-bit states need a Triton tile width of {QBLOCK} columns")
     for t in (w, *s):
@@ -329,7 +375,7 @@ def fused_linear_update(
 
 def fused_linear_sumsq(dy_BTV, x_BTH, block=None) -> torch.Tensor:
     """Sum of squares of dW = dY^T X, tile by tile, without storing dW (pass 1 of clipping)."""
-    if block is None:
+    if block is None or block == "auto":  # the update pass is the one worth tuning
         block = default_block(x_BTH.dtype, False, x_BTH.shape[0])
     BV, BH = block[:2]
     V, H = dy_BTV.shape[1], x_BTH.shape[1]
