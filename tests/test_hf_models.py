@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_pool import train_in_gloo_pool
+from tiny_models import TINY_LLAMA
 
 from frugaltrain.config import ConfigError, to_toml
 from frugaltrain.models import build_model, evaluate
@@ -29,12 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 WORLD = 4
 LLAMA = (
-    "model.family='llama'",
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=4",
-    "model.n_kv_head=2",
-    "model.intermediate_size=64",
+    *TINY_LLAMA,
     "run.steps=8",
     "outer.H=4",
     "run.eval_every=0",

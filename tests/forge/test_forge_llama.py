@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY_LLAMA
 
 from frugaltrain.config import Config
 from frugaltrain.config.base import build_config
@@ -19,16 +20,7 @@ from frugaltrain.models import build_model
 pytest.importorskip("transformers")
 
 VOCAB, SEQ, BATCH = 64, 16, 2
-LLAMA = (
-    "model.family='llama'",
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=4",
-    "model.n_kv_head=2",
-    "model.intermediate_size=64",
-    f"model.vocab_size={VOCAB}",
-    f"data.seq_len={SEQ}",
-)
+LLAMA = (*TINY_LLAMA, f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}")
 
 
 def _llama(dtype: torch.dtype, *sets: str) -> torch.nn.Module:

@@ -71,6 +71,22 @@ def _check_run(run_dir: Path, records: list[dict], rounds: int, detect_s: float)
     return events
 
 
+def _faulted(config_factory, tmp_path: Path, strategy: str, steps: int, inject: str, **kw):
+    """Run `strategy` for `steps` with the faults `inject` (every worker slowed; kw: `sets`,
+    more config, and `detect_s`) and check the run (_check_run); returns the membership events
+    by kind."""
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        *STRATEGIES[strategy],
+        f"run.steps={steps}",
+        f"run.inject='{inject};slow:seconds=0.1'",
+        *kw.get("sets", ()),
+    )
+    run_dir, records = _run(cfg)
+    return _check_run(run_dir, records, steps // 4, kw.get("detect_s", HB_S))
+
+
 def _left(events: dict) -> list[int]:
     return [w for e in events.get("left", []) for w in e["workers"]]
 
@@ -79,15 +95,8 @@ def _left(events: dict) -> list[int]:
 def test_kill_rejoin_then_hang(config_factory, tmp_path: Path, strategy: str):
     # Worker 2 is killed mid-round 3, restarted, and rejoins from a peer; worker 1 then stops
     # (SIGSTOP, heartbeats included) mid-round 35 and is dropped by its silent heartbeat.
-    cfg = config_factory(
-        tmp_path,
-        *COMMON,
-        *STRATEGIES[strategy],
-        "run.steps=200",
-        "run.inject='kill:worker=2,round=3;hang:worker=1,round=35;slow:seconds=0.1'",
-    )
-    run_dir, records = _run(cfg)
-    events = _check_run(run_dir, records, 50, HB_S)
+    inject = "kill:worker=2,round=3;hang:worker=1,round=35"
+    events = _faulted(config_factory, tmp_path, strategy, 200, inject)
     assert _left(events) == [2, 1], events  # the two faulted workers, nobody healthy
     rejoined = events["rejoined"]
     assert [e["worker"] for e in rejoined] == [2] and rejoined[0]["match"], rejoined
@@ -97,15 +106,8 @@ def test_kill_rejoin_then_hang(config_factory, tmp_path: Path, strategy: str):
 
 def test_double_kill_in_one_round(config_factory, tmp_path: Path):
     # Two of three workers die in the same step: the survivor trains alone, both rejoin.
-    cfg = config_factory(
-        tmp_path,
-        *COMMON,
-        *STRATEGIES["fgd"],
-        "run.steps=160",
-        "run.inject='kill:worker=1,round=3;kill:worker=2,round=3;slow:seconds=0.1'",
-    )
-    run_dir, records = _run(cfg)
-    events = _check_run(run_dir, records, 40, HB_S)
+    inject = "kill:worker=1,round=3;kill:worker=2,round=3"
+    events = _faulted(config_factory, tmp_path, "fgd", 160, inject)
     assert sorted(_left(events)) == [1, 2], events
     assert events["left"][-1]["members"] == [0]
     assert sorted(e["worker"] for e in events["rejoined"]) == [1, 2], events
@@ -115,15 +117,8 @@ def test_double_kill_in_one_round(config_factory, tmp_path: Path):
 def test_kill_during_recovery(config_factory, tmp_path: Path):
     # Worker 2 dies mid-round 3; worker 1 dies as it starts recovering from that: the rendezvous
     # that re-forms the group loses a participant and worker 0 goes on alone; both rejoin.
-    cfg = config_factory(
-        tmp_path,
-        *COMMON,
-        *STRATEGIES["diloco"],
-        "run.steps=160",
-        "run.inject='kill:worker=2,round=3;kill:worker=1,round=3,at=recovery;slow:seconds=0.1'",
-    )
-    run_dir, records = _run(cfg)
-    events = _check_run(run_dir, records, 40, HB_S)
+    inject = "kill:worker=2,round=3;kill:worker=1,round=3,at=recovery"
+    events = _faulted(config_factory, tmp_path, "diloco", 160, inject)
     assert sorted(_left(events)) == [1, 2], events
     assert sorted(e["worker"] for e in events["rejoined"]) == [1, 2], events
 
@@ -131,15 +126,8 @@ def test_kill_during_recovery(config_factory, tmp_path: Path):
 def test_partition_in_a_blocking_strategy(config_factory, tmp_path: Path):
     # Worker 1 is cut off for 12 s mid-round 3 during DiLoCo's all-reduce rounds: dropped by its
     # silent heartbeat, it finds itself evicted when the partition heals, restarts and rejoins.
-    cfg = config_factory(
-        tmp_path,
-        *COMMON,
-        *STRATEGIES["diloco"],
-        "run.steps=200",
-        "run.inject='partition:worker=1,round=3,seconds=12;slow:seconds=0.1'",
-    )
-    run_dir, records = _run(cfg)
-    events = _check_run(run_dir, records, 50, HB_S)
+    inject = "partition:worker=1,round=3,seconds=12"
+    events = _faulted(config_factory, tmp_path, "diloco", 200, inject)
     assert _left(events) == [1] and "no heartbeat" in events["left"][0]["reason"], events
     assert [e["worker"] for e in events["rejoined"]] == [1], events
 
@@ -149,19 +137,10 @@ def test_stalled_worker_meets_the_adaptive_deadline(config_factory, tmp_path: Pa
     # deadline can find it. It adapts to the rounds measured so far (run.deadline_factor x their
     # p90, floor run.deadline_floor_s = 2 s here), far below run.timeout_s = 300 s and below the
     # stall itself: the others go on without worker 1, which rejoins when its stall is over.
-    cfg = config_factory(
-        tmp_path,
-        *COMMON,
-        *STRATEGIES["diloco"],
-        "run.steps=240",
-        "run.deadline_floor_s=2",
-        "run.inject='stall:worker=1,round=8,seconds=12;slow:seconds=0.1'",
-    )
-    run_dir, records = _run(cfg)
-    walls = [r["time/wall_s"] for r in records if r.get("kind") == "round"]
-    typical = statistics.median(b - a for a, b in zip(walls, walls[1:], strict=False))
-    detect_s = max(2.0, 4.0 * typical) * 1.5  # the p90 of the first rounds, with margin
-    events = _check_run(run_dir, records, 60, detect_s)
+    # Detection within 6 s: 4 x rounds of about 0.45 s is below the 2 s floor; 3x slack for a
+    # busy machine, where rounds run longer.
+    inject, floor = "stall:worker=1,round=8,seconds=12", ["run.deadline_floor_s=2"]
+    events = _faulted(config_factory, tmp_path, "diloco", 240, inject, sets=floor, detect_s=6)
     assert _left(events) == [1], events
     reason = events["left"][0]["reason"]
     assert "deadline" in reason and "p90 round" in reason, reason
