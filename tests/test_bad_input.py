@@ -43,6 +43,7 @@ TRAIN = [
     ("mix1-deadline", ["--set", "run.mix1_deadline_s=-1"], "run.mix1_deadline_s = -1.0"),
     ("deadline-factor", ["--set", "run.deadline_factor=0.5"], "run.deadline_factor = 0.5"),
     ("deadline-floor", ["--set", "run.deadline_floor_s=0"], "run.deadline_floor_s = 0"),
+    ("max-restarts", ["--set", "run.max_restarts=-1"], "run.max_restarts = -1"),
     ("name-escapes", ["--name", "../escape"], "run.name = '../escape': must be a plain name"),
     ("name-absolute", ["--name", "/tmp/abs"], "run.name = '/tmp/abs': must be a plain name"),
     ("name-nested", ["--name", "a/b"], "run.name = 'a/b': must be a plain name"),

@@ -34,6 +34,7 @@ def test_key_set_is_pinned():
             "progress",
             "fault_tolerance",
             "mix1_deadline_s",
+            "max_restarts",
             "deadline_factor",
             "deadline_floor_s",
             "guard",

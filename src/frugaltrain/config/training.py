@@ -91,6 +91,9 @@ class RunSection(Section):
     """Fault-tolerant runtime: the longest a worker waits at a round end for Mix1 messages still
     missing (a straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and
     the row renormalized, so Mix1 never waits on a straggler beyond this."""
+    max_restarts: int = 3
+    """Fault-tolerant runtime: how many times the launcher restarts one worker before it calls
+    the run failed (a worker that keeps dying is more likely a bug than a fault to ride out)."""
     deadline_factor: float = 4.0
     """Fault-tolerant runtime: a blocking wait fails after this multiple of the 90th percentile
     of the last rounds' wall times (a peer alive, its heartbeat beating, but stuck), at least
@@ -130,6 +133,7 @@ class RunSection(Section):
         self.positive("mix1_deadline_s")
         self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
         self.positive("deadline_floor_s")
+        self.at_least("max_restarts", 0)
         self.one_of("guard", ("reject", "clip", "off"))
         self.require(self.guard_factor > 1, "guard_factor", "must be above 1 (the median itself)")
         self.require(

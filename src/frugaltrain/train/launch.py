@@ -220,7 +220,7 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
 # What a resumed run may change: how long it runs and how it reports, not what it computes.
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "stop_at_round")
 RESUME_MAY_CHANGE += ("threads", "timeout_s", "mix1_deadline_s", "progress")
-RESUME_MAY_CHANGE += ("deadline_factor", "deadline_floor_s")
+RESUME_MAY_CHANGE += ("deadline_factor", "deadline_floor_s", "max_restarts")
 
 
 def _resumable(config_path: str | None, overrides: list[str], resume: str):

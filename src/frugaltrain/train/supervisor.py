@@ -33,7 +33,6 @@ from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker
 
-MAX_RESTARTS = 3  # per worker; a worker that keeps dying is a bug, not a fault to ride out
 
 
 def worker_threads(cfg: Config) -> int:
@@ -78,13 +77,13 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
         while len(finished) < cfg.run.workers:
             time.sleep(0.1)
             for rank in _exited(procs, finished, store, cfg, run_dir):
-                if restarts[rank] >= MAX_RESTARTS:
+                if restarts[rank] >= cfg.run.max_restarts:
                     failed = failure_of(run_dir, rank, procs[rank].exitcode)
                     raise WorkerFailed(f"{failed} after {restarts[rank]} restarts")
                 restarts[rank] += 1
                 print(
                     f"[launcher] worker {rank} exited with code {procs[rank].exitcode}; restarting "
-                    f"it (restart {restarts[rank]} of at most {MAX_RESTARTS})",
+                    f"it (restart {restarts[rank]} of at most {cfg.run.max_restarts})",
                     flush=True,
                 )
                 start(rank)
