@@ -34,7 +34,6 @@ from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of,
 from frugaltrain.train.loop import train_worker
 
 
-
 def worker_threads(cfg: Config) -> int:
     """torch threads per worker: run.threads, or the cores shared out (at least 1)."""
     return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
