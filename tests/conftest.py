@@ -77,3 +77,18 @@ def tiny_config(text_dir: Path, tmp_path: Path, *sets: str) -> Config:
         "run.timeout_s=60",
     ]
     return build_config(Config, {}, base + list(sets))
+
+
+@pytest.fixture
+def finished_run(make_config) -> Path:
+    """A finished one-worker run with checkpoints at rounds 1 and 2."""
+    from frugaltrain.comm import LocalComm
+    from frugaltrain.config import to_toml
+    from frugaltrain.train.launch import new_run_dir
+    from frugaltrain.train.loop import train_worker
+
+    cfg = make_config("run.steps=12", "run.checkpoint_every=1")
+    run_dir = new_run_dir(cfg)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    train_worker(cfg, LocalComm(), run_dir)
+    return run_dir

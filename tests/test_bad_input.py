@@ -11,10 +11,7 @@ from pathlib import Path
 import pytest
 
 from frugaltrain import cli
-from frugaltrain.comm import LocalComm
 from frugaltrain.config import to_toml
-from frugaltrain.train.launch import new_run_dir
-from frugaltrain.train.loop import train_worker
 
 # (id, arguments of `frugaltrain train` after the base flags, what the message must name)
 TRAIN = [
@@ -201,16 +198,6 @@ def test_bad_data_files_are_named_with_the_byte_offset(tmp_path, out, capsys):
     _assert_refused(code, lines, "is not valid TOML")
 
 
-@pytest.fixture
-def finished(make_config) -> Path:
-    """A finished one-worker run with checkpoints at rounds 1 and 2."""
-    cfg = make_config("run.steps=12", "run.checkpoint_every=1")
-    run_dir = new_run_dir(cfg)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    train_worker(cfg, LocalComm(), run_dir)
-    return run_dir
-
-
 RESUME = [
     ("changed-model", ["--set", "model.n_embd=64"], "different model/data/optim/outer config"),
     ("changed-workers", ["--workers", "2"], "written by 1 workers but run.workers = 2"),
@@ -220,31 +207,31 @@ RESUME = [
 
 
 @pytest.mark.parametrize("args, expected", [c[1:] for c in RESUME], ids=[c[0] for c in RESUME])
-def test_resume_refuses_changes_and_leaves_checkpoints_alone(finished, args, expected, capsys):
-    before = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()}
-    code, lines = _main(["train", "--resume", str(finished), *args], capsys)
+def test_resume_refuses_changes_and_leaves_checkpoints_alone(finished_run, args, expected, capsys):
+    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    code, lines = _main(["train", "--resume", str(finished_run), *args], capsys)
     _assert_refused(code, lines, expected)
-    assert {p: p.read_bytes() for p in finished.rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
 
 
 def test_resume_refuses_a_conflicting_config_and_broken_run_dirs(
-    finished, make_config, tmp_path, capsys
+    finished_run, make_config, tmp_path, capsys
 ):
     other = tmp_path / "other.toml"
     other.write_text(to_toml(make_config("run.steps=12", "outer.lr=0.5")))
-    code, lines = _main(["train", "--config", str(other), "--resume", str(finished)], capsys)
+    code, lines = _main(["train", "--config", str(other), "--resume", str(finished_run)], capsys)
     _assert_refused(code, lines, "differs from")
     code, lines = _main(["train", "--resume", str(tmp_path / "nope")], capsys)
     _assert_refused(code, lines, "no config.toml there; pass a run directory")
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.toml").write_text((finished / "config.toml").read_text())
+    (bare / "config.toml").write_text((finished_run / "config.toml").read_text())
     code, lines = _main(["train", "--resume", str(bare)], capsys)
     _assert_refused(code, lines, "no complete checkpoint")
-    for ckpt in sorted((finished / "checkpoints").iterdir()):
+    for ckpt in sorted((finished_run / "checkpoints").iterdir()):
         (ckpt / "COMPLETE").write_text("{not json")
     with pytest.warns(UserWarning, match="unreadable COMPLETE manifest"):
-        code, lines = _main(["train", "--resume", str(finished)], capsys)
+        code, lines = _main(["train", "--resume", str(finished_run)], capsys)
     _assert_refused(code, lines, "no intact checkpoint")
 
 
