@@ -11,14 +11,15 @@ Accounting lives here so every strategy reports it the same way:
 - `bytes_sent` / `bytes_received` per worker, from the algorithm's traffic model (ring all-reduce
   sends and receives 2(M-1)/M * S for a payload of S bytes); gathers and point-to-point
   exchanges count the encoded bytes of every copy sent or received.
-- `blocking_s`: wall-clock seconds the worker spent inside `Handle.wait()`, i.e. blocked.
+- `blocking_s`: wall-clock seconds the worker spent inside `Handle.wait()`, i.e. blocked;
+  `blocking_by_op` splits it by the name a strategy gives each operation (`op="mix2"`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,17 +34,24 @@ class CommStats:
     bytes_received: int = 0
     blocking_s: float = 0.0
     recovery_s: float = 0.0  # fault-tolerant runtime: detecting a failure and re-forming
+    blocking_by_op: dict[str, float] = field(default_factory=dict)  # op name -> seconds
+    current_op: str = "outer"  # the operation being started (Handles take it as their name)
 
     def copy(self) -> CommStats:
-        return CommStats(self.bytes_sent, self.bytes_received, self.blocking_s, self.recovery_s)
+        out = CommStats(self.bytes_sent, self.bytes_received, self.blocking_s, self.recovery_s)
+        out.blocking_by_op = dict(self.blocking_by_op)
+        return out
 
     def minus(self, other: CommStats) -> CommStats:
-        return CommStats(
+        out = CommStats(
             self.bytes_sent - other.bytes_sent,
             self.bytes_received - other.bytes_received,
             self.blocking_s - other.blocking_s,
             self.recovery_s - other.recovery_s,
         )
+        before = other.blocking_by_op
+        out.blocking_by_op = {k: v - before.get(k, 0.0) for k, v in self.blocking_by_op.items()}
+        return out
 
 
 class Handle:
@@ -58,6 +66,7 @@ class Handle:
         done_fn: Callable[[], bool] | None = None,
     ) -> None:
         self._stats = stats
+        self.op = stats.current_op
         self._wait_fn = wait_fn
         self._done_fn = done_fn
         self._finished = wait_fn is None
@@ -68,10 +77,13 @@ class Handle:
     def wait(self) -> None:
         if self._finished:
             return
-        t0, recovering = time.perf_counter(), self._stats.recovery_s
+        stats = self._stats
+        t0, recovering, blocked = time.perf_counter(), stats.recovery_s, stats.blocking_s
         self._wait_fn()
         spent = time.perf_counter() - t0
-        self._stats.blocking_s += spent - (self._stats.recovery_s - recovering)
+        stats.blocking_s += spent - (stats.recovery_s - recovering)
+        by_op = stats.blocking_by_op  # the simulator's blocking_s is its clock: take the change
+        by_op[self.op] = by_op.get(self.op, 0.0) + stats.blocking_s - blocked
         self._finished = True
 
 
@@ -139,12 +151,18 @@ class Comm:
         return self.members.index(self.rank)
 
     def all_reduce_mean_(
-        self, tensors: list[torch.Tensor], *, blocking: bool = True, codec: str = "fp32"
+        self,
+        tensors: list[torch.Tensor],
+        *,
+        blocking: bool = True,
+        codec: str = "fp32",
+        op: str = "outer",
     ) -> Handle:
         """Average `tensors` in place across `members` (the accepted ones, under a guard). With
         blocking=False the caller must `wait()` the handle before reading them. A codec other
         than fp32 gathers the encoded payloads (a quantized sum is not associative) and reduces
-        in fp64."""
+        in fp64. `op` names the operation in the blocking-time split (CommStats)."""
+        self.stats.current_op = op
         if len(self.members) == 1 or not tensors:
             return Handle(self.stats)
         return self._average(tensors, self._check(tensors), blocking, codec)
@@ -156,6 +174,7 @@ class Comm:
         *,
         codec: str = "fp32",
         blocking: bool = True,
+        op: str = "outer",
     ) -> Handle:
         """Gossip: replace `tensors` by sum_j w[me, j] x_j over `members` (in place, on wait).
 
@@ -163,6 +182,7 @@ class Comm:
         complete `w` is an all-reduce; otherwise each worker sends its (encoded) tensors to
         the members in its column and receives from those in its row. Own values are exact.
         Under a guard, rejected members' columns are dropped and rows renormalized."""
+        self.stats.current_op = op
         n = len(self.members)
         if w.shape != (n, n):
             raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
@@ -216,8 +236,10 @@ class Comm:
         norms[me] = norm_of(tensors)
         t0, recovering = time.perf_counter(), self.stats.recovery_s
         self._metric_sum(norms)
-        spent = time.perf_counter() - t0
-        self.stats.blocking_s += spent - (self.stats.recovery_s - recovering)
+        spent = time.perf_counter() - t0 - (self.stats.recovery_s - recovering)
+        self.stats.blocking_s += spent
+        by_op, op = self.stats.blocking_by_op, self.stats.current_op
+        by_op[op] = by_op.get(op, 0.0) + spent
         v = verdict(norms.numpy(), self.guard)
         if v.scale[me] != 1.0:
             for t in tensors:

@@ -33,7 +33,7 @@ class DDP:
     def sync_grads(self) -> None:
         """Call after backward, before the inner optimizer step, on every worker."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        self.comm.all_reduce_mean_(grads)
+        self.comm.all_reduce_mean_(grads, op="grads")
 
     def after_step(self, step: int) -> bool:
         """Call after each inner step with the number of steps done; True at a round boundary."""

@@ -85,7 +85,7 @@ class FactoredGossipDiLoCo(OuterRound):
         w1 = mixing_matrix(self.mix1, n, self.round, self.seed)
         if self.mix1_weight < 1:
             w1 = (1 - self.mix1_weight) * np.eye(n) + self.mix1_weight * w1
-        handle = self.comm.mix_(payload, w1, codec=self.codec, blocking=False)
+        handle = self.comm.mix_(payload, w1, codec=self.codec, blocking=False, op="mix1")
         self._mix1 = (handle, payload)
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
@@ -124,7 +124,7 @@ class FactoredGossipDiLoCo(OuterRound):
         if momenta is not None:
             chosen += [m for m, keep in zip(momenta, self.in_mix2, strict=True) if keep]
         w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
-        self.comm.mix_(chosen, w2, codec=self.codec)
+        self.comm.mix_(chosen, w2, codec=self.codec, op="mix2")
 
     def state_dict(self) -> dict:
         if self._mix1 is not None:

@@ -76,7 +76,9 @@ class StreamingDiLoCo(OuterRound):
     def _send(self, k: int) -> None:
         outer, inner = self._slice(k, self.outer), self._slice(k, self.params)
         deltas = [x - theta for x, theta in zip(outer, inner, strict=True)]
-        handle = self.comm.all_reduce_mean_(deltas, blocking=False, codec=self.codec)
+        handle = self.comm.all_reduce_mean_(
+            deltas, blocking=False, codec=self.codec, op=f"fragment{k}"
+        )
         self._pending[k] = (handle, deltas)
 
     def _land(self, k: int) -> None:
