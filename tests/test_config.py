@@ -81,6 +81,8 @@ def test_key_set_is_pinned():
             "momentum",
             "nesterov",
             "codec",
+            "feedback_decay",
+            "param_codec",
             "preset",
             "mix1",
             "mix2",
@@ -187,7 +189,9 @@ def test_every_example_config_loads():
 
 def test_outer_keys_the_strategy_ignores_are_warned_about(make_config):
     with pytest.warns(UserWarning, match=r"outer.codec = 'int8'.*no effect with outer.strategy"):
-        make_config("outer.strategy=diloco", "outer.codec=int8")
+        make_config("outer.strategy=ddp", "outer.codec=int8")
+    with pytest.warns(UserWarning, match=r"outer.param_codec = 'bf16'.*outer.strategy = 'diloco'"):
+        make_config("outer.strategy=diloco", "outer.param_codec=bf16")
     with pytest.warns(UserWarning, match=r"outer.mix2 = 'pairs'"):
         make_config("outer.strategy=noloco", "outer.mix2=pairs")
     with warnings.catch_warnings():

@@ -233,7 +233,12 @@ def test_close_inside_a_round_warns_unless_an_error_ends_it():
     "keys, message",
     [
         ({"strategy": "sgd"}, "outer.strategy = 'sgd': choose one of ddp, diloco, fgd, noloco"),
-        ({"codec": "int8"}, "outer.codec = 'int8': no effect with outer.strategy = 'diloco'"),
+        (
+            {"strategy": "ddp", "codec": "int8"},
+            "outer.codec = 'int8': no effect with outer.strategy = 'ddp'",
+        ),
+        ({"codec": "topk:0"}, "outer.codec = 'topk:0': choose one of fp32, bf16, int8, e3m0, or"),
+        ({"param_codec": "topk:0.1"}, "outer.param_codec = 'topk:0.1': choose one of fp32"),
         ({"strategy": "fgd", "mixing": "ring"}, "unknown key outer.mixing; valid keys here"),
         ({"H": -1}, "outer.H = -1: must be at least 1"),
         ({"H": 6, "strategy": "streaming", "fragments": 4}, "outer.fragments = 4: must divide"),

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from frugaltrain.comm import compress, topology
+from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.guard import Guard, Verdict, guarded_weights, norm_of, verdict
 
 
@@ -109,6 +110,24 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
+def encode_own(
+    tensors: list[torch.Tensor], codec: str, feedback: ErrorFeedback | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This worker's value in a mix and the parts it sends. Dense codecs: its exact values
+    (only what a worker receives is lossy). Sparse: what it sent, so every worker of an
+    average holds the same sum; the unsent rest (plus `feedback`'s carry) goes to `feedback`."""
+    flat = flatten(tensors)
+    if feedback is not None:
+        flat = feedback.compensate(flat)
+    parts = compress.encode(flat, codec)
+    if not compress.is_sparse(codec):
+        return flat, parts
+    sent = compress.decode(parts, codec, flat.numel())
+    if feedback is not None:
+        feedback.keep(flat - sent)
+    return sent, parts
+
+
 def weighted_sum(weights: list[float], flats: list[torch.Tensor]) -> torch.Tensor:
     """sum_j w_j x_j accumulated in float64 in the given (rank) order, rounded once to fp32.
 
@@ -156,16 +175,18 @@ class Comm:
         *,
         blocking: bool = True,
         codec: str = "fp32",
+        feedback: ErrorFeedback | None = None,
         op: str = "outer",
     ) -> Handle:
         """Average `tensors` in place across `members` (the accepted ones, under a guard). With
         blocking=False the caller must `wait()` the handle before reading them. A codec other
         than fp32 gathers the encoded payloads (a quantized sum is not associative) and reduces
-        in fp64. `op` names the operation in the blocking-time split (CommStats)."""
+        in fp64. `feedback`: a sparse codec's error feedback for this operation. `op` names the
+        operation in the blocking-time split (CommStats)."""
         self.stats.current_op = op
         if len(self.members) == 1 or not tensors:
             return Handle(self.stats)
-        return self._average(tensors, self._check(tensors), blocking, codec)
+        return self._average(tensors, self._check(tensors, feedback), blocking, codec, feedback)
 
     def mix_(
         self,
@@ -174,6 +195,7 @@ class Comm:
         *,
         codec: str = "fp32",
         blocking: bool = True,
+        feedback: ErrorFeedback | None = None,
         op: str = "outer",
     ) -> Handle:
         """Gossip: replace `tensors` by sum_j w[me, j] x_j over `members` (in place, on wait).
@@ -181,52 +203,66 @@ class Comm:
         Every worker must call with the same doubly stochastic `w` (see comm.topology). A
         complete `w` is an all-reduce; otherwise each worker sends its (encoded) tensors to
         the members in its column and receives from those in its row. Own values are exact.
-        Under a guard, rejected members' columns are dropped and rows renormalized."""
+        Under a guard, rejected members' columns are dropped and rows renormalized. A sparse
+        codec's own contribution is what was sent, the rest goes to `feedback`."""
         self.stats.current_op = op
         n = len(self.members)
         if w.shape != (n, n):
             raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
         if n == 1 or not tensors or np.array_equal(w, np.eye(n)):
             return Handle(self.stats)
-        return self._start_mix(tensors, w, codec, blocking)
+        return self._start_mix(tensors, w, codec, blocking, feedback)
 
     def _start_mix(
-        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, blocking: bool
+        self,
+        tensors: list[torch.Tensor],
+        w: np.ndarray,
+        codec: str,
+        blocking: bool,
+        feedback: ErrorFeedback | None = None,
     ) -> Handle:
         """A validated, non-trivial mix: a complete `w` is an all-reduce, else `_mix`."""
         n = len(self.members)
-        v = self._check(tensors)
+        v = self._check(tensors, feedback)
         if np.allclose(w, 1.0 / n):
-            return self._average(tensors, v, blocking, codec)
+            return self._average(tensors, v, blocking, codec, feedback)
         if v is not None and v.rejected:
             w = guarded_weights(w, v)
-        handle = self._mix(tensors, w, codec)
+        handle = self._mix(tensors, w, codec, feedback)
         if blocking:
             handle.wait()
         return handle
 
     def _average(
-        self, tensors: list[torch.Tensor], v: Verdict | None, blocking: bool, codec: str
+        self,
+        tensors: list[torch.Tensor],
+        v: Verdict | None,
+        blocking: bool,
+        codec: str,
+        feedback: ErrorFeedback | None = None,
     ) -> Handle:
         n = len(self.members)
         if v is not None and v.rejected:  # the mean of the accepted ones, taken by everyone
             k = int(v.accepted.sum())
-            handle = self._mix(tensors, np.tile(v.accepted / k, (n, 1)), codec)
+            handle = self._mix(tensors, np.tile(v.accepted / k, (n, 1)), codec, feedback)
         elif codec == "fp32" and not self.deterministic:
             nbytes = ring_allreduce_bytes(payload_bytes(tensors), n)
             self.stats.bytes_sent += nbytes
             self.stats.bytes_received += nbytes
             handle = self._all_reduce_sum(tensors, scale=1.0 / n)
         else:
-            handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec)
+            handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec, feedback)
         if blocking:
             handle.wait()
         return handle
 
     # ---- the guard (comm/guard.py)
-    def _check(self, tensors: list[torch.Tensor]) -> Verdict | None:
+    def _check(
+        self, tensors: list[torch.Tensor], feedback: ErrorFeedback | None = None
+    ) -> Verdict | None:
         """Share the norm of this worker's contribution with the members and judge them all
         (the same verdict everywhere); clip this worker's own contribution if it is told to.
+        A rejected worker's error feedback is cleared (it was built from the bad values).
         Blocking: one small collective, counted as blocking time, not as traffic."""
         self._outgoing(tensors)
         if self.guard is None:
@@ -247,6 +283,8 @@ class Comm:
         if not v.clean:
             self._rejected_self |= me in v.rejected
             self.events.append(self._rejection_record(v))
+        if me in v.rejected and feedback is not None:
+            feedback.reset()
         return v
 
     def _rejection_record(self, v: Verdict) -> dict:
@@ -268,17 +306,22 @@ class Comm:
         rejected, self._rejected_self = self._rejected_self, False
         return rejected
 
-    def _mix(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
+    def _mix(
+        self,
+        tensors: list[torch.Tensor],
+        w: np.ndarray,
+        codec: str,
+        feedback: ErrorFeedback | None = None,
+    ) -> Handle:
         me = self.position
         send_to, recv_from = topology.peers(w, me)
         complete = len(send_to) == len(self.members) - 1 == len(recv_from)
-        flat = flatten(tensors)
-        wire = compress.wire_bytes(flat.numel(), codec)
+        own, parts = encode_own(tensors, codec, feedback)
+        wire = compress.wire_bytes(own.numel(), codec)
         self.stats.bytes_sent += wire * len(send_to)
         self.stats.bytes_received += wire * len(recv_from)
         seq = self._op_seq
         self._op_seq += 1
-        parts = compress.encode(flat, codec)
         if complete:
             fetch = self._all_gather(parts, seq)
         else:
@@ -292,7 +335,7 @@ class Comm:
                 j for j in range(len(self.members)) if j in recv_from or (j == me and w[me, me])
             ]
             flats = [
-                flat if j == me else compress.decode(received[self.members[j]], codec, flat.numel())
+                own if j == me else compress.decode(received[self.members[j]], codec, own.numel())
                 for j in order
             ]
             unflatten_into(weighted_sum([w[me, j] for j in order], flats), tensors)

@@ -1,26 +1,59 @@
-"""Codecs for anything that crosses a link: fp32, bf16, int8 (blockwise absmax scale) and 4-bit
-E3M0 (sign + 3 exponent bits, no mantissa, blockwise scale; the Streaming DiLoCo format).
+"""Codecs for anything that crosses a link.
+
+Dense: fp32, bf16, int8 (blockwise absmax scale) and 4-bit E3M0 (sign + 3 exponent bits, no
+mantissa, blockwise scale; the Streaming DiLoCo format). A worker never quantizes its own
+contribution to a dense mix: only what it receives is lossy.
+
+Sparse (SparseLoCo's chunked top-k): `topk:F` keeps the ceil(F * CHUNK) largest-magnitude
+entries of every CHUNK consecutive values and sends their positions in the chunk (12-bit,
+bit-packed) and their values (fp32; `topk:F+2bit`: a sign bit and one bit choosing between two
+magnitudes per chunk, the means of the chunk's smaller and larger half). A worker's own
+contribution is what it sent, so every worker of an average holds the same sum; what it did not
+send goes to the operation's error feedback (comm/feedback.py).
 
 `encode` returns the tensors that actually go on the wire (so their byte size is the honest
-count, scales included); `decode` turns them back into fp32. Receivers accumulate in fp32 or
-wider. A worker never quantizes its own contribution: only what it receives is lossy.
+count, scales and indices included); `decode` turns them back into fp32. Receivers accumulate
+in fp32 or wider.
 """
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
+
 import torch
 
-from frugaltrain.config import CODECS  # the names the config accepts; each is handled below
+from frugaltrain.config import CODECS, parse_codec  # the names the config accepts
 
 BLOCK = 256
 """Elements per scale block for int8 and e3m0 (one fp32 scale each)."""
 
+CHUNK = 4096
+"""Elements per top-k chunk; a position in it takes INDEX_BITS bits."""
+INDEX_BITS = 12
+
 _E3M0_LEVELS = 7  # non-zero magnitudes scale * 2^-e for e = 0..6; code 0 is exact zero
 
 
+def is_sparse(codec: str) -> bool:
+    return codec.startswith("topk:")
+
+
+@lru_cache(maxsize=64)
+def _topk(codec: str) -> tuple[int, bool]:
+    """(kept entries per chunk, 2-bit values) of a `topk:F[+2bit]` codec."""
+    fraction, two_bit = parse_codec(codec)
+    return max(1, math.ceil(fraction * CHUNK)), two_bit
+
+
 def wire_bytes(numel: int, codec: str) -> int:
-    """Bytes `numel` values take on the wire under `codec`, scales included."""
+    """Bytes `numel` values take on the wire under `codec`, scales and indices included."""
     blocks = -(-numel // BLOCK)
+    if is_sparse(codec):
+        k, two_bit = _topk(codec)
+        kept = -(-numel // CHUNK) * k
+        values = -(-kept * 2 // 8) + 8 * -(-numel // CHUNK) if two_bit else 4 * kept
+        return -(-kept * INDEX_BITS // 8) + values
     if codec == "fp32":
         return 4 * numel
     if codec == "bf16":
@@ -39,6 +72,8 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
 
 def encode(flat: torch.Tensor, codec: str) -> list[torch.Tensor]:
     """Encode a flat fp32 tensor; the returned tensors are exactly what is sent."""
+    if is_sparse(codec):
+        return _encode_topk(flat.float(), *_topk(codec))
     if codec == "fp32":
         return [flat.float()]
     if codec == "bf16":
@@ -67,6 +102,8 @@ def encode(flat: torch.Tensor, codec: str) -> list[torch.Tensor]:
 
 def decode(parts: list[torch.Tensor], codec: str, numel: int) -> torch.Tensor:
     """Inverse of `encode`: a flat fp32 tensor of `numel` values."""
+    if is_sparse(codec):
+        return _decode_topk(parts, numel, *_topk(codec))
     if codec in ("fp32", "bf16"):
         return parts[0].float()
     payload, scale = parts
@@ -87,3 +124,64 @@ def roundtrip(flat: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "fp32":
         return flat
     return decode(encode(flat, codec), codec, flat.numel())
+
+
+# ---- sparse: chunked top-k
+
+
+def _encode_topk(flat: torch.Tensor, k: int, two_bit: bool) -> list[torch.Tensor]:
+    pad = (-flat.numel()) % CHUNK
+    chunks = torch.nn.functional.pad(flat, (0, pad)).view(-1, CHUNK)
+    idx = chunks.abs().topk(k, dim=1, sorted=False).indices
+    idx = idx.sort(dim=1).values  # a canonical order: the same entries give the same bytes
+    values = chunks.gather(1, idx)
+    packed_idx = pack_bits(idx.flatten(), INDEX_BITS)
+    if not two_bit:
+        return [packed_idx, values.flatten()]
+    codes, levels = _two_bit(values)
+    return [packed_idx, pack_bits(codes.flatten(), 2), levels.flatten()]
+
+
+def _two_bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per chunk (row): code = sign bit | (large magnitude) << 1; levels = the mean magnitude
+    of the entries below and above the midpoint of the row's magnitudes (one Lloyd step)."""
+    mag = values.abs()
+    mid = (mag.amin(dim=1, keepdim=True) + mag.amax(dim=1, keepdim=True)) / 2
+    large = mag >= mid
+    levels = torch.stack(
+        [(mag * ~large).sum(1) / (~large).sum(1).clamp_min(1), (mag * large).sum(1) / large.sum(1)],
+        dim=1,
+    )
+    codes = (values < 0).to(torch.uint8) | (large.to(torch.uint8) << 1)
+    return codes, levels
+
+
+def _decode_topk(parts: list[torch.Tensor], numel: int, k: int, two_bit: bool) -> torch.Tensor:
+    chunks = -(-numel // CHUNK)
+    idx = unpack_bits(parts[0], INDEX_BITS, chunks * k).long().view(chunks, k)
+    if two_bit:
+        codes = unpack_bits(parts[1], 2, chunks * k).view(chunks, k)
+        levels = parts[2].view(chunks, 2)
+        mag = levels.gather(1, (codes >> 1).long())
+        values = torch.where((codes & 1) > 0, -mag, mag)
+    else:
+        values = parts[1].view(chunks, k)
+    out = torch.zeros(chunks, CHUNK, dtype=torch.float32)
+    out.scatter_(1, idx, values)
+    return out.flatten()[:numel]
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Non-negative integers below 2^bits, `bits` each, packed into uint8 (little-endian bit
+    order)."""
+    shifts = torch.arange(bits, dtype=torch.int64)
+    stream = ((values.to(torch.int64)[:, None] >> shifts) & 1).flatten()
+    stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8)).view(-1, 8)
+    return (stream << torch.arange(8, dtype=torch.int64)).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: the first `count` integers."""
+    stream = (packed.to(torch.int64)[:, None] >> torch.arange(8, dtype=torch.int64)) & 1
+    stream = stream.flatten()[: count * bits].view(count, bits)
+    return (stream << torch.arange(bits, dtype=torch.int64)).sum(1)

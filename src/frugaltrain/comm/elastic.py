@@ -65,7 +65,15 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from frugaltrain.comm import compress, topology
-from frugaltrain.comm.base import Comm, Handle, flatten, unflatten_into, weighted_sum
+from frugaltrain.comm.base import (
+    Comm,
+    Handle,
+    encode_own,
+    flatten,
+    unflatten_into,
+    weighted_sum,
+)
+from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.guard import Guard, norm_of, verdict
 from frugaltrain.comm.rendezvous import Membership, Round, evict_key
 from frugaltrain.faults import Injector, corrupt_, fire
@@ -448,12 +456,20 @@ class ElasticComm(Comm):
         return Handle(self.stats, finish, lambda: self._completed(op))
 
     def _start_mix(
-        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, blocking: bool
+        self,
+        tensors: list[torch.Tensor],
+        w: np.ndarray,
+        codec: str,
+        blocking: bool,
+        feedback: ErrorFeedback | None = None,
     ) -> Handle:
         """A blocking mix is a sequenced operation (below); a non-blocking one (Mix1) goes
-        point to point with a deadline, so a straggler never holds it up for long."""
+        point to point with a deadline, so a straggler never holds it up for long. Mix1 sends
+        parameters, always with a dense codec: it has no error feedback."""
         if blocking:
-            return super()._start_mix(tensors, w, codec, blocking)
+            return super()._start_mix(tensors, w, codec, blocking, feedback)
+        if feedback is not None:
+            raise ValueError("a non-blocking mix takes no error feedback (its codec is dense)")
         return self._mix_with_deadline(tensors, w, codec)
 
     def _in_background(self, works: list, pg) -> threading.Event:
@@ -495,8 +511,8 @@ class ElasticComm(Comm):
         send_to, recv_from = topology.peers(w, me)
         k = self.mix1_seq
         tag = (k % (1 << 20)) * _PARTS
-        flat = flatten(tensors)
-        parts = [p.contiguous() for p in compress.encode(flat, codec)]
+        flat, parts = encode_own(tensors, codec)
+        parts = [p.contiguous() for p in parts]
         for j in send_to:  # a send completes when its peer takes it
             try:
                 self._in_background([pg.send([p], j, tag + i) for i, p in enumerate(parts)], pg)
@@ -590,14 +606,20 @@ class ElasticComm(Comm):
                 return
             time.sleep(0.05)
 
-    def _mix(self, tensors: list[torch.Tensor], w: np.ndarray, codec: str) -> Handle:
+    def _mix(
+        self,
+        tensors: list[torch.Tensor],
+        w: np.ndarray,
+        codec: str,
+        feedback: ErrorFeedback | None = None,
+    ) -> Handle:
         members, me = list(self.members), self.position
-        flat = flatten(tensors)
-        wire = compress.wire_bytes(flat.numel(), codec)
+        own, parts = encode_own(tensors, codec, feedback)
+        wire = compress.wire_bytes(own.numel(), codec)
         # Gossip travels as a gather here (see the module docstring): count what really moves.
         self.stats.bytes_sent += wire * (len(members) - 1)
         self.stats.bytes_received += wire * (len(members) - 1)
-        op = self._post("gather", compress.encode(flat, codec))
+        op = self._post("gather", parts)
 
         def finish() -> None:
             got = self._wait(op)
@@ -609,7 +631,7 @@ class ElasticComm(Comm):
                     self.dropped += 1
                     continue
                 rows.append(w[me, j])
-                flats.append(flat if j == me else compress.decode(got[r], codec, flat.numel()))
+                flats.append(own if j == me else compress.decode(got[r], codec, own.numel()))
             total = sum(rows)  # rows renormalized over the members that delivered
             unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
 

@@ -20,6 +20,7 @@ from frugaltrain.config.training import (
     INNER_OPTIMIZERS,
     MODEL_FAMILIES,
     OUTER_KEYS,
+    SPARSE_CODEC,
     TOPOLOGIES,
     Config,
     DataSection,
@@ -27,6 +28,8 @@ from frugaltrain.config.training import (
     OptimSection,
     OuterSection,
     RunSection,
+    codec_error,
+    parse_codec,
 )
 
 
@@ -38,11 +41,14 @@ def load_config(path=None, overrides: list[str] | None = None) -> Config:
 __all__ = [
     "ArgumentParser",
     "CODECS",
+    "SPARSE_CODEC",
     "FGD_PRESETS",
     "INNER_OPTIMIZERS",
     "MODEL_FAMILIES",
     "OUTER_KEYS",
     "TOPOLOGIES",
+    "codec_error",
+    "parse_codec",
     "Config",
     "ConfigError",
     "DataSection",

@@ -22,14 +22,18 @@ from frugaltrain.config.base import ConfigError, Section, require
 # for a strategy that ignores them.
 OUTER_KEYS = {
     "ddp": ("strategy", "H"),
-    "diloco": ("strategy", "H", "lr", "momentum", "nesterov"),
+    "diloco": ("strategy", "H", "lr", "momentum", "nesterov", "codec", "feedback_decay"),
     "fgd": (
-        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "preset"),
-        *("mix1", "mix2", "mix2_params", "momentum_policy", "mix1_weight", "mix2_momentum"),
+        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "feedback_decay"),
+        *("param_codec", "preset", "mix1", "mix2", "mix2_params", "momentum_policy"),
+        *("mix1_weight", "mix2_momentum"),
     ),
-    "noloco": ("strategy", "H", "lr", "momentum", "codec", "group_size", "consensus_pull"),
+    "noloco": (
+        *("strategy", "H", "lr", "momentum", "codec", "feedback_decay", "param_codec"),
+        *("group_size", "consensus_pull"),
+    ),
     "streaming": (
-        *("strategy", "H", "lr", "momentum", "nesterov", "codec"),
+        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "feedback_decay"),
         *("fragments", "overlap", "merge_alpha"),
     ),
 }
@@ -37,7 +41,38 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
 MODEL_FAMILIES = ("gpt", "llama", "qwen2", "gpt2", "hf")  # built in models/__init__.py
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
-CODECS = ("fp32", "bf16", "int8", "e3m0")  # encoded in comm/compress.py
+CODECS = ("fp32", "bf16", "int8", "e3m0")  # dense codecs, encoded in comm/compress.py
+SPARSE_CODEC = "topk:FRACTION or topk:FRACTION+2bit, 0 < FRACTION <= 1"
+
+
+def parse_codec(name: str) -> tuple[float, bool]:
+    """(fraction, 2-bit values) of a sparse codec name `topk:F` or `topk:F+2bit`; ValueError
+    for anything else."""
+    body = name.removeprefix("topk:")
+    two_bit = body.endswith("+2bit")
+    try:
+        fraction = float(body.removesuffix("+2bit"))
+    except ValueError:
+        fraction = -1.0
+    if body == name or not 0 < fraction <= 1:
+        raise ValueError(f"{name!r} is not {SPARSE_CODEC}")
+    return fraction, two_bit
+
+
+def codec_error(name: str, *, dense_only: bool = False) -> str | None:
+    """Why `name` is not a codec the config accepts (None: it is)."""
+    if name in CODECS:
+        return None
+    if not dense_only and name.startswith("topk:"):
+        try:
+            parse_codec(name)
+            return None
+        except ValueError:
+            pass
+    sparse = "" if dense_only else f", or {SPARSE_CODEC}"
+    return f"choose one of {', '.join(CODECS)}{sparse}"
+
+
 FGD_PRESETS = {
     "GlobalM1": {"mix1": "complete", "mix2": "none", "mix2_params": "all"},
     "GlobalM1LocalM2": {"mix1": "complete", "mix2": "pairs", "mix2_params": "all"},
@@ -283,7 +318,16 @@ class OuterSection(Section):
     nesterov: bool = True
     """Nesterov outer momentum (ignored when momentum is 0)."""
     codec: str = "fp32"
-    """Encoding of everything the outer step sends: fp32, bf16, int8 or e3m0 (4-bit)."""
+    """Encoding of the pseudo-gradients the outer step sends: fp32, bf16, int8, e3m0 (4-bit), or
+    sparse: topk:F (the largest fraction F of every 4096 values, with their positions) and
+    topk:F+2bit (values in 2 bits). Sparse codecs carry what was not sent to the next round
+    (error feedback, outer.feedback_decay)."""
+    feedback_decay: float = 1.0
+    """Sparse codecs: what a worker did not send is added to its next round's pseudo-gradient
+    times this (1: all of it, 0: dropped, no error feedback)."""
+    param_codec: str = ""
+    """fgd's Mix1 and noloco's pull send parameters, which top-k cannot thin: their dense
+    encoding (fp32, bf16, int8, e3m0). Empty: outer.codec when it is dense, else fp32."""
     preset: str = ""
     """fgd only: a named variant that sets mix1/mix2/mix2_params: GlobalM1 (complete / none) or
     GlobalM1LocalM2 (complete / pairs on all tensors). Empty: use the keys as given."""
@@ -322,7 +366,12 @@ class OuterSection(Section):
         self.at_least("H", 1, "inner steps per outer round")
         self.positive("lr")
         self.require(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
-        self.one_of("codec", CODECS)
+        for key in ("codec", "param_codec"):
+            value = getattr(self, key)
+            if value or key == "codec":
+                error = codec_error(value, dense_only=key == "param_codec")
+                self.require(error is None, key, error or "")
+        self.require(0 <= self.feedback_decay <= 1, "feedback_decay", "must be in [0, 1]")
         self.require(
             self.preset in ("", *FGD_PRESETS),
             "preset",

@@ -42,5 +42,5 @@ class DDP:
     def state_dict(self) -> dict:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, own: bool = True) -> None:
         pass

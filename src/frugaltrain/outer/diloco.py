@@ -7,6 +7,10 @@ Per round t, on every worker i (symbols as in the paper and research/diloco_fami
     m <- mu m + Delta;  x <- x - gamma (Delta + mu m)   (torch.optim.SGD, nesterov=True)
 Inner AdamW states stay local. All workers hold the same x and m, so the outer step runs
 replicated. On failure the all-reduce raises after run.timeout_s.
+
+With a sparse codec (topk) and outer momentum 0 this is SparseLoCo's outer step, up to its
+chunking and value format: each worker sends the top-k of its pseudo-gradient plus its error
+feedback, and steps with the mean of what was sent.
 """
 
 from __future__ import annotations
@@ -21,4 +25,4 @@ class DiLoCo(OuterRound):
     paper: gamma 0.7, mu 0.9, Nesterov)."""
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
-        self.comm.all_reduce_mean_(deltas)
+        self.comm.all_reduce_mean_(deltas, codec=self.codec, feedback=self.feedback("outer"))

@@ -31,7 +31,7 @@ from frugaltrain.comm import Comm, Handle
 from frugaltrain.comm.topology import mixing_matrix
 from frugaltrain.config import FGD_PRESETS
 from frugaltrain.models.parts import select
-from frugaltrain.outer.round import OuterRound, copy_all_
+from frugaltrain.outer.round import OuterRound, copy_all_, dense_or_fp32
 
 
 class FactoredGossipDiLoCo(OuterRound):
@@ -44,7 +44,8 @@ class FactoredGossipDiLoCo(OuterRound):
         momentum_policy: "local", "mixed" or "reset".
         mix1_weight: alpha, the share of Mix1 a worker takes.
         mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
-        codec: encoding of everything sent (comm.compress).
+        param_codec: Mix1's encoding (a dense codec; "": outer.codec when dense, else fp32).
+        The pseudo-gradients of Mix2 go in `codec`, sparse ones with error feedback.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class FactoredGossipDiLoCo(OuterRound):
         momentum_policy: str = "local",
         mix1_weight: float = 1.0,
         mix2_momentum: bool = False,
-        codec: str = "fp32",
+        param_codec: str = "",
         **outer,
     ) -> None:
         super().__init__(model, comm, **outer)
@@ -70,7 +71,7 @@ class FactoredGossipDiLoCo(OuterRound):
         self.momentum_policy = momentum_policy
         self.mix1_weight = mix1_weight
         self.mix2_momentum = mix2_momentum
-        self.codec = codec
+        self.param_codec = param_codec or dense_or_fp32(self.codec)
         self._mix1: tuple[Handle, list[torch.Tensor]] | None = None
 
     def start_round(self) -> None:
@@ -85,7 +86,7 @@ class FactoredGossipDiLoCo(OuterRound):
         w1 = mixing_matrix(self.mix1, n, self.round, self.seed)
         if self.mix1_weight < 1:
             w1 = (1 - self.mix1_weight) * np.eye(n) + self.mix1_weight * w1
-        handle = self.comm.mix_(payload, w1, codec=self.codec, blocking=False, op="mix1")
+        handle = self.comm.mix_(payload, w1, codec=self.param_codec, blocking=False, op="mix1")
         self._mix1 = (handle, payload)
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
@@ -124,7 +125,7 @@ class FactoredGossipDiLoCo(OuterRound):
         if momenta is not None:
             chosen += [m for m, keep in zip(momenta, self.in_mix2, strict=True) if keep]
         w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
-        self.comm.mix_(chosen, w2, codec=self.codec, op="mix2")
+        self.comm.mix_(chosen, w2, codec=self.codec, feedback=self.feedback("mix2"), op="mix2")
 
     def state_dict(self) -> dict:
         if self._mix1 is not None:

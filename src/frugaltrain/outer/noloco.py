@@ -20,7 +20,7 @@ from torch import nn
 
 from frugaltrain.comm import Comm
 from frugaltrain.comm.topology import groups_matrix
-from frugaltrain.outer.round import OuterRound, copy_all_
+from frugaltrain.outer.round import OuterRound, copy_all_, dense_or_fp32
 
 
 class NoLoCo(OuterRound):
@@ -30,7 +30,10 @@ class NoLoCo(OuterRound):
     0.7 and 0.5; no Nesterov):
         consensus_pull: gamma, the pull towards the group mean (public code: gamma = beta).
         group_size: n, workers per group (public configs: 2).
-        codec: encoding of what is sent.
+        param_codec: encoding of the parameters sent for the pull (a dense codec; "":
+            outer.codec when dense, else fp32). With a dense codec both travel in one
+            exchange; with a sparse one the pseudo-gradients go in a second, with error
+            feedback.
     """
 
     def __init__(
@@ -42,26 +45,30 @@ class NoLoCo(OuterRound):
         momentum: float = 0.5,
         consensus_pull: float = 0.7,
         group_size: int = 2,
-        codec: str = "fp32",
+        param_codec: str = "",
         **outer,
     ) -> None:
         super().__init__(model, comm, lr=lr, momentum=momentum, nesterov=False, **outer)
         self.lr = lr
         self.pull = consensus_pull
         self.group_size = group_size
-        self.codec = codec
+        self.param_codec = param_codec or dense_or_fp32(self.codec)
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
         """Average the pseudo-gradients in this round's group; fold in the pull to its mean."""
         w = groups_matrix(len(self.comm.members), self.group_size, self.round, self.seed)
         if not self.pull:
-            self.comm.mix_(deltas, w, codec=self.codec)
+            self.comm.mix_(deltas, w, codec=self.codec, feedback=self.feedback("outer"))
             if self.comm.take_rejection():
                 for m in self.momenta() or []:
                     m.zero_()
             return
         means = [phi.clone() for phi in self.outer]
-        self.comm.mix_(deltas + means, w, codec=self.codec)  # one exchange for both
+        if self.param_codec == self.codec:
+            self.comm.mix_(deltas + means, w, codec=self.codec)  # one exchange for both
+        else:
+            self.comm.mix_(deltas, w, codec=self.codec, feedback=self.feedback("outer"))
+            self.comm.mix_(means, w, codec=self.param_codec, op="pull")
         if self.comm.take_rejection():  # the guard judged what this worker sent bad: take the
             copy_all_(self.outer, means)  # group's values, drop its own momentum
             for m in self.momenta() or []:

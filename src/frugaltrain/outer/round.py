@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from frugaltrain.comm import Comm
+from frugaltrain.comm.compress import is_sparse
+from frugaltrain.comm.feedback import ErrorFeedback
 
 
 def outer_sgd(params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool):
@@ -50,6 +52,12 @@ def outer_step(
             theta.copy_(x)
 
 
+def dense_or_fp32(codec: str) -> str:
+    """The codec for parameter traffic: `codec` if dense, else fp32 (top-k cannot thin
+    parameters: they are not sparse, and a mix of them has no error feedback)."""
+    return "fp32" if is_sparse(codec) else codec
+
+
 @torch.no_grad()
 def copy_all_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     for d, s in zip(dst, src, strict=True):
@@ -67,6 +75,9 @@ class OuterRound:
         momentum: outer momentum mu.
         nesterov: Nesterov look-ahead.
         seed: seeds what a strategy draws at random (topologies, groups); the same everywhere.
+        codec: encoding of the pseudo-gradients sent (comm.compress).
+        feedback_decay: a sparse codec's error feedback carries this much of what was not sent
+            into the next round (comm.feedback).
     """
 
     def __init__(
@@ -79,6 +90,8 @@ class OuterRound:
         momentum: float = 0.9,
         nesterov: bool = True,
         seed: int = 0,
+        codec: str = "fp32",
+        feedback_decay: float = 1.0,
     ) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -89,6 +102,9 @@ class OuterRound:
         self.round = 0
         self.outer = [p.detach().clone() for p in self.params]  # x_i
         self.opt = outer_sgd(self.outer, lr, momentum, nesterov)
+        self.codec = codec
+        self.feedback_decay = feedback_decay
+        self.feedbacks: dict[str, ErrorFeedback] = {}  # per operation, sparse codecs only
 
     # ---- what a strategy overrides
     def start_round(self) -> None:
@@ -119,20 +135,37 @@ class OuterRound:
         self.round += 1
         return True
 
+    def feedback(self, op: str) -> ErrorFeedback | None:
+        """The error feedback of operation `op` under a sparse codec (None for a dense one)."""
+        if not is_sparse(self.codec):
+            return None
+        return self.feedbacks.setdefault(op, ErrorFeedback(self.feedback_decay))
+
+    def feedback_norm(self) -> float:
+        """Norm of everything not yet sent (0 for a dense codec)."""
+        return sum(f.norm() ** 2 for f in self.feedbacks.values()) ** 0.5
+
     def momenta(self) -> list[torch.Tensor] | None:
         """The outer momentum buffers m_i, or None before the first outer step."""
         bufs = [self.opt.state.get(x, {}).get("momentum_buffer") for x in self.outer]
         return None if any(b is None for b in bufs) else bufs
 
     def state_dict(self) -> dict:
-        """Outer parameters, outer optimizer and round counter (taken at a round end)."""
+        """Outer parameters, outer optimizer, round counter and error feedback (taken at a round
+        end)."""
         return {
             "outer": [x.clone() for x in self.outer],
             "opt": self.opt.state_dict(),
             "round": self.round,
+            "feedback": {op: f.state_dict() for op, f in self.feedbacks.items()},
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, own: bool = True) -> None:
+        """`own`: this worker's checkpoint. A peer's state (a restarted worker rejoining) gives
+        everything but the error feedback, which starts empty (comm/feedback.py says why)."""
         copy_all_(self.outer, state["outer"])
         self.opt.load_state_dict(state["opt"])
         self.round = state["round"]
+        self.feedbacks.clear()
+        for op, fb in state.get("feedback", {}).items() if own else ():
+            self.feedback(op).load_state_dict(fb)

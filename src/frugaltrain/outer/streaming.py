@@ -44,7 +44,6 @@ class StreamingDiLoCo(OuterRound):
         fragments: int = 4,
         overlap: int = 1,
         merge_alpha: float = 0.0,
-        codec: str = "fp32",
         **outer,
     ) -> None:
         super().__init__(model, comm, **outer)
@@ -52,7 +51,6 @@ class StreamingDiLoCo(OuterRound):
         self.P = fragments
         self.tau = overlap
         self.alpha = merge_alpha
-        self.codec = codec
         self.fragment_idx = [[i for i, f in enumerate(owner) if f == k] for k in range(fragments)]
         self._pending: dict[int, tuple[Handle, list[torch.Tensor]]] = {}
 
@@ -77,7 +75,11 @@ class StreamingDiLoCo(OuterRound):
         outer, inner = self._slice(k, self.outer), self._slice(k, self.params)
         deltas = [x - theta for x, theta in zip(outer, inner, strict=True)]
         handle = self.comm.all_reduce_mean_(
-            deltas, blocking=False, codec=self.codec, op=f"fragment{k}"
+            deltas,
+            blocking=False,
+            codec=self.codec,
+            feedback=self.feedback(f"fragment{k}"),
+            op=f"fragment{k}",
         )
         self._pending[k] = (handle, deltas)
 

@@ -306,7 +306,7 @@ class _Sim:
         with torch.no_grad():
             w.model.load_state_dict(copy.deepcopy(state["model"]))
         w.inner.load_state_dict(copy.deepcopy(state["inner"]))
-        w.strategy.load_state_dict(copy.deepcopy(state["outer"]))
+        w.strategy.load_state_dict(copy.deepcopy(state["outer"]), own=False)
         # the rendezvous keys of algorithm and metric collectives (the guard's norm exchange)
         w.comm.seq, w.comm._op_seq = src.comm.seq, src.comm._op_seq
         w.comm.metric_seq = src.comm.metric_seq

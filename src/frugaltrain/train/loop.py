@@ -92,7 +92,7 @@ class Worker:
         self.model.load_state_dict(state["model"])
         self.inner.load_state_dict(state["inner"])
         self.schedule.load_state_dict(state["schedule"])
-        self.strategy.load_state_dict(state["outer"])
+        self.strategy.load_state_dict(state["outer"], own=own)
         self.step, self.round = state["step"], state["round"]
         tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len
         self.tokens = state.get("tokens", self.step * tokens_per_step * self.comm.world_size)
