@@ -96,9 +96,10 @@ def wrap(
             strategy reduces to single-worker DiLoCo (ddp to plain training).
         seed: run.seed of a config: seeds what a strategy draws (gossip pairs, NoLoCo groups).
         **outer_keys: the other [outer] keys the strategy reads (config.OUTER_KEYS), e.g.
-            lr (gamma), momentum (mu), nesterov; fgd: preset, mix1, mix2, mix2_params,
-            momentum_policy, codec; noloco: group_size, consensus_pull, codec; streaming:
-            fragments (P), overlap (tau), merge_alpha, codec.
+            lr (gamma), momentum (mu), nesterov, codec, feedback_decay (not ddp); fgd:
+            preset, mix1, mix2, mix2_params, momentum_policy, param_codec; noloco:
+            group_size, consensus_pull, param_codec; streaming: fragments (P), overlap (tau),
+            merge_alpha.
 
     Raises (before any hook is installed): ConfigError (a ValueError), one line in the config's
     format, for an unknown key, a bad value, a key set away from its default that the strategy

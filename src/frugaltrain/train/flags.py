@@ -26,7 +26,11 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix2", help="fgd Mix2 topology (outer.mix2)")
     p.add_argument("--mix2-params", help="fgd Mix2 tensors, e.g. embed+head+blocks:2")
     p.add_argument("--momentum-policy", help="fgd outer momentum: local or mixed")
-    p.add_argument("--codec", help="outer traffic encoding: fp32, bf16, int8, e3m0")
+    p.add_argument(
+        "--codec",
+        help="pseudo-gradient encoding: fp32, bf16, int8, e3m0, or sparse topk:F[+2bit] with "
+        "error feedback, e.g. topk:0.01+2bit (outer.codec)",
+    )
     p.add_argument(
         "--inner-optimizer",
         help="shortcut for --set optim.name=NAME: adamw, forge-adamw, forge-sgd or forge-lion",
