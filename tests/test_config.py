@@ -32,6 +32,8 @@ def test_key_set_is_pinned():
             "timeout_s",
             "deterministic_comm",
             "progress",
+            "tensorboard",
+            "wandb",
             "fault_tolerance",
             "mix1_deadline_s",
             "max_restarts",

@@ -118,6 +118,13 @@ class RunSection(Section):
     2 (M-1)/M S bytes per worker."""
     progress: bool = True
     """Show a progress bar on worker 0."""
+    tensorboard: bool = False
+    """Also write every numeric metric of metrics.jsonl as TensorBoard events to
+    `<run dir>/tensorboard/`, against the inner step (metrics/sinks.py); needs the tensorboard
+    extra."""
+    wandb: str = ""
+    """Also log the same metrics to an offline Weights & Biases run in `<run dir>/wandb/`:
+    "" (off) or "offline" (upload later with `wandb sync`); needs the wandb extra."""
     fault_tolerance: bool = False
     """Membership epochs, deadlines and rejoin (comm/elastic.py): workers that die or stop
     answering for run.timeout_s are dropped, restarted ones rejoin from a live peer; local
@@ -170,6 +177,12 @@ class RunSection(Section):
         self.positive("deadline_floor_s")
         self.at_least("max_restarts", 0)
         self.one_of("guard", ("reject", "clip", "off"))
+        self.require(
+            self.wandb in ("", "offline"),
+            "wandb",
+            "choose '' (off) or 'offline'; a run never talks to the network, so 'online' is "
+            "refused too: log offline and upload with `wandb sync <run dir>/wandb/offline-run-*`",
+        )
         self.require(self.guard_factor > 1, "guard_factor", "must be above 1 (the median itself)")
         self.require(
             not self.inject or self.fault_tolerance,

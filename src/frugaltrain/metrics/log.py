@@ -4,20 +4,33 @@ Keys are namespaced and carry units (`loss/train`, `time/compute_s`, `comm/bytes
 record names where its time figures come from in `clock`: "measured" (wall clock of real
 processes) or "simulated" (the simulator's virtual clock). Values that were not measured are
 left out, never written as zero.
+
+Every record written also goes to the log's sinks (metrics/sinks.py: TensorBoard, wandb).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+
+from frugaltrain.metrics.sinks import Sink
 
 
 class MetricsLog:
-    """Append-only JSONL writer; only worker 0 writes (others pass `enabled=False`)."""
+    """Append-only JSONL writer; only worker 0 writes (others pass `enabled=False`). `sinks`
+    receive every record written (metrics.sinks.open_sinks; only for the writing process)."""
 
-    def __init__(self, path: Path, enabled: bool = True, truncate_after_step: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        enabled: bool = True,
+        truncate_after_step: int | None = None,
+        sinks: Sequence[Sink] = (),
+    ):
         self.path = Path(path)
         self.enabled = enabled
+        self.sinks = list(sinks) if enabled else []
         if enabled and truncate_after_step is not None and self.path.exists():
             # Resuming: keep the records up to the checkpoint so the log continues seamlessly.
             kept = [
@@ -31,15 +44,21 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if self._f is not None:
             self._f.write(json.dumps(record) + "\n")
+            for sink in self.sinks:
+                sink.write(record)
 
     def flush(self) -> None:
         if self._f is not None:
             self._f.flush()
+            for sink in self.sinks:
+                sink.flush()
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+            for sink in self.sinks:
+                sink.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

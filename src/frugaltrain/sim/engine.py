@@ -13,6 +13,9 @@ Batching all workers into one vmapped step was measured and rejected for this mo
 (benchmarks/sim_scale.py): torch has no vmap rule for CPU flash attention and falls back to a
 per-sample loop, slower than threads.
 
+Per-peer figures and the blocking time per named operation are in every round record under the
+keys of real runs (metrics/peers.py), on the simulated clock.
+
 Energy and FLOPs (per round record, summed in the summary; keys as in train/loop.py):
     energy/compute_j, energy/idle_j, energy/comm_j = the simulated cluster's estimated energy:
         simulated compute seconds x sim.compute_w, simulated blocking seconds x sim.idle_w and
@@ -45,6 +48,8 @@ from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, wor
 from frugaltrain.energy.meter import open_meter
 from frugaltrain.metrics.consensus import GROUPS, averaged_model, spread, squared_distance
 from frugaltrain.metrics.log import MetricsLog
+from frugaltrain.metrics.peers import blocking_ops, count_events, sim_fields
+from frugaltrain.metrics.sinks import check_sinks, open_sinks
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
 from frugaltrain.outer import build_strategy
@@ -128,7 +133,11 @@ class _Sim:
         self.rng = np.random.default_rng([sim.fault_seed, 0xC10C])
         self.step_draws = self._draw_step_times()
         self.records: list[dict] = []
-        self.log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
+        self.log = None
+        if run_dir:
+            self.log = MetricsLog(run_dir / "metrics.jsonl", sinks=open_sinks(cfg, run_dir))
+        self.ops = blocking_ops(cfg)
+        self._events_seen = 0  # SimWorld.events already counted in a round record
         self.round = 0
         self.step = 0
         tokens_per_step = d.batch_size * d.seq_len
@@ -136,6 +145,7 @@ class _Sim:
         self.energy_label = energy_label(sim)
         self.t0 = time.perf_counter()
         self._prev = self._totals()
+        self._prev_ops = [dict(w.comm.stats.blocking_by_op) for w in self.workers]
         self._snapshots: list | None = None
         self._down_since: float | None = None
         self.counts = {"rollbacks": 0, "rejoins": 0}
@@ -372,6 +382,7 @@ class _Sim:
             "flops/train": self.flops_per_step * steps_done,
             "flops/label": "estimated (analytic)",
         }
+        rec.update(self._comm_fields(live, d))
         for i in live:
             self.workers[i].loss_sum, self.workers[i].steps = 0.0, 0
         r = cfg.run
@@ -382,6 +393,27 @@ class _Sim:
         if self.log is not None:
             self.log.write(rec)
             self.log.flush()
+
+    def _comm_fields(self, live: list[int], d: dict[str, list]) -> dict:
+        """Per-peer figures of the round (metrics/peers.py; `d`: its per-live-worker deltas),
+        the guard's rejections and the crashes and rejoins since the last record. Rejection
+        records (the same verdict on every worker) are logged once, as worker 0 does."""
+        figures = {"bytes_sent": d["sent"], "bytes_received": d["received"]}
+        figures.update(blocking_s=d["blocking"], compute_s=d["compute"])
+        now = [dict(w.comm.stats.blocking_by_op) for w in self.workers]
+        by_op = [{k: v - self._prev_ops[i].get(k, 0.0) for k, v in now[i].items()} for i in live]
+        self._prev_ops = now
+        out = sim_fields(self.M, live, figures, by_op, self.ops)
+        drained = [w.comm.drain_events() for w in self.workers]
+        rejected = [{"round": self.round, **e} for e in drained[live[0]]]
+        if self.log is not None:
+            for e in rejected:
+                self.log.write(e)
+        events = self.world.events[self._events_seen :]
+        self._events_seen = len(self.world.events)
+        changes = [{"kind": "membership"} for e in events if e["kind"] in ("crash", "rejoin")]
+        out.update(count_events(rejected + changes))
+        return out
 
     def _evaluate(self, live: list[int]) -> dict:
         models = [self.workers[i].model for i in live]
@@ -467,6 +499,7 @@ def validation_batches(
 
 def simulate(cfg: Config, sim: SimSection, run_dir: Path | None = None) -> SimResult:
     """Run cfg's workers as virtual workers on sim's clock; metrics go to run_dir (optional)."""
+    check_sinks(cfg)  # a missing TensorBoard or wandb package: refused before any work
     # Parallelism comes from worker threads (sim.compute_threads), one core each.
     torch.set_num_threads(1)
     if run_dir is not None:

@@ -30,6 +30,7 @@ from frugaltrain.config import (
     to_toml,
 )
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
+from frugaltrain.metrics.sinks import check_sinks
 from frugaltrain.models import build_model, memory_estimate, model_dims
 from frugaltrain.models.parts import select
 from frugaltrain.outer.streaming import StreamingDiLoCo
@@ -205,10 +206,12 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
     """Build the config and run directory (new, or an existing one to resume)."""
     if resume:
         cfg, run_dir, ckpt = _resumable(config_path, overrides, resume)
+        check_sinks(cfg)
         if under_torchrun():  # every rank was given the same directory
             _join_torchrun(cfg)
         return cfg, run_dir, ckpt
     cfg = load_config(config_path, overrides)
+    check_sinks(cfg)  # a missing TensorBoard or wandb package
     check_model(cfg)
     check_data(cfg)
     if under_torchrun():
@@ -221,6 +224,7 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
 RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "stop_at_round")
 RESUME_MAY_CHANGE += ("threads", "timeout_s", "mix1_deadline_s", "progress")
 RESUME_MAY_CHANGE += ("deadline_factor", "deadline_floor_s", "max_restarts")
+RESUME_MAY_CHANGE += ("tensorboard", "wandb")
 
 
 def _resumable(config_path: str | None, overrides: list[str], resume: str):

@@ -10,6 +10,8 @@ Timing (all measured wall clock, per worker):
     compute_s  = time in forward, backward and the inner optimizer step
     blocking_s = time blocked in communication (Handle.wait), from the comm's own accounting
     utilization = compute_s / (compute_s + blocking_s)
+Each round record also holds every worker's own figures (peer/bytes_sent, peer/blocking_s, ...)
+and the blocking time per named operation (comm/blocking_s/<op>): metrics/peers.py.
 
 Energy and FLOPs (per round record, summed by `report`):
     energy/joules, energy/label = this round's energy from each worker process's meter
@@ -47,6 +49,8 @@ from frugaltrain.metrics.consensus import (
     spread,
     squared_distance,
 )
+from frugaltrain.metrics.peers import blocking_ops, post_vector
+from frugaltrain.metrics.sinks import open_sinks
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
 from frugaltrain.outer import build_strategy
@@ -143,8 +147,13 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         no_meter = float(meter_counts and reading.joules is None)
         scalars = [loss_sum / steps, compute_s, sent.blocking_s, sent.bytes_sent]
         scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter, sent.recovery_s]
+        own = {"bytes_sent": sent.bytes_sent, "bytes_received": sent.bytes_received}
+        own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
+        scalars += post_vector(comm.rank, comm.world_size, own, sent.blocking_by_op, log.ops)
         if comm.rank == 0:
             record.update(comm.round_fields())
+        # This round's rejections (and failures) are counted in its own record.
+        log.events([{"round": w.round, **e} for e in comm.drain_events()])
         log.round(record, comm.metric_mean_async(scalars), val_loss is not None)
         stats_at_start = comm.stats.copy()  # a checkpoint's barrier counts in the next round
 
@@ -330,6 +339,8 @@ def _round_log(cfg: Config, w: Worker, run_dir: Path, resumed: bool) -> RoundLog
         resumed_at=w.step if resumed else None,
         workers=w.comm.world_size,
         bar=bar,
+        ops=blocking_ops(cfg),
+        sinks=open_sinks(cfg, run_dir) if is_main else None,
     )
 
 

@@ -2,7 +2,8 @@
 means, membership events, and the progress bar.
 
 A round's record needs the workers' means of a few scalars (loss, compute and blocking seconds,
-bytes, energy). They are posted without waiting (`Comm.metric_mean_async`) and the record is
+bytes, energy) and of each worker's own figures (metrics/peers.py: bytes, seconds, blocking per
+operation). They are posted without waiting (`Comm.metric_mean_async`) and the record is
 written once they are in: under the fault-tolerant runtime once every member has posted (a
 straggler never holds a worker back), else once the next round has started. A checkpoint or the
 end waits for all of them. Every worker keeps a RoundLog; only worker 0's writes.
@@ -15,17 +16,35 @@ from collections.abc import Callable
 from pathlib import Path
 
 from frugaltrain.metrics.log import MetricsLog
+from frugaltrain.metrics.peers import count_events, fields_from_means
+from frugaltrain.metrics.sinks import Sink
 
-# The per-round scalars every worker posts, in this order.
+# The per-round scalars every worker posts, in this order; metrics.peers.post_vector follows.
 SCALARS = ("loss", "compute_s", "blocking_s", "sent", "received", "val", "joules", "no_meter")
 SCALARS += ("recovery_s",)
 
 
 class RoundLog:
-    def __init__(self, path: Path, *, enabled: bool, resumed_at: int | None, workers: int, bar):
-        self.log = MetricsLog(path, enabled=enabled, truncate_after_step=resumed_at)
+    def __init__(
+        self,
+        path: Path,
+        *,
+        enabled: bool,
+        resumed_at: int | None,
+        workers: int,
+        bar,
+        ops: tuple[str, ...],
+        sinks: list[Sink] | None = None,
+    ):
+        """`ops`: the operation names of the per-op blocking split (metrics.peers.blocking_ops);
+        `sinks`: where records also go (metrics.sinks.open_sinks, worker 0 only)."""
+        self.log = MetricsLog(
+            path, enabled=enabled, truncate_after_step=resumed_at, sinks=sinks or ()
+        )
         self.workers = workers
         self.bar = bar
+        self.ops = ops
+        self._events: list[dict] = []  # since the last round record: counted in the next one
         self._steps: list[tuple[int, float, float]] = []
         self._pending: deque[tuple[dict, Callable[[], list[float]], bool]] = deque()
 
@@ -42,7 +61,11 @@ class RoundLog:
         self._steps.clear()
 
     def round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
-        """Queue a round record; `means()` gives the workers' means of SCALARS."""
+        """Queue a round record; `means()` gives the workers' means of SCALARS, then of their
+        metrics.peers.post_vector. The event records logged since the last round record are
+        counted in this one (comm/rejected, comm/membership_changes)."""
+        record.update(count_events(self._events))
+        self._events = []
         self._pending.append((record, means, has_val))
         self.flush()
 
@@ -55,6 +78,7 @@ class RoundLog:
             self._write_round(*self._pending.popleft())
 
     def events(self, records: list[dict]) -> None:
+        self._events += records
         for rec in records:
             self.log.write(rec)
 
@@ -65,7 +89,8 @@ class RoundLog:
         self.log.close()
 
     def _write_round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
-        mean = dict(zip(SCALARS, means(), strict=True))
+        values = means()
+        mean = dict(zip(SCALARS, values[: len(SCALARS)], strict=True))
         compute, blocking = mean["compute_s"], mean["blocking_s"]
         record.update(
             {
@@ -78,6 +103,7 @@ class RoundLog:
                 "time/recovery_s": mean["recovery_s"],
             }
         )
+        record.update(fields_from_means(values[len(SCALARS) :], self.workers, self.ops))
         if mean["no_meter"] > 0:  # a reporting worker's meter gave no reading: no total, no zero
             if not record["energy/label"].startswith("unavailable"):
                 missing = int(round(mean["no_meter"] * self.workers))
