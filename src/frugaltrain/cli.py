@@ -3,6 +3,7 @@
     frugaltrain train --config examples/default.toml --workers 4 --set outer.H=50
     frugaltrain train --resume runs/default          # continue from the latest checkpoint
     frugaltrain report runs/default                  # re-render the summary table and plots
+    frugaltrain report runs/a runs/b --plot-bytes cmp.png   # loss vs bytes sent, one line each
     frugaltrain export runs/default --out my-model   # the averaged model, transformers format
     frugaltrain energy ...                           # meters, fits, predictions (energy/cli.py)
     frugaltrain flow ...                             # FlowTrain vision-language (flow/cli.py)
@@ -42,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="frugaltrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_flags(sub.add_parser("train", help=TRAIN_HELP))
-    p = sub.add_parser("report", help="re-render the summary table and plots of a run")
-    p.add_argument("run_dir")
+    p = sub.add_parser("report", help="re-render the summary table and plots of runs")
+    p.add_argument("run_dir", nargs="+", help="run directories (from train or simulate)")
+    p.add_argument(
+        "--plot-bytes",
+        metavar="OUT.png",
+        help="also draw every run's validation loss against its cumulative bytes sent per "
+        "worker (log scale), one line per run, into OUT.png (.pdf, .svg)",
+    )
     p = sub.add_parser("export", help="a run's final averaged model in the transformers format")
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="directory for the model and its tokenizer")
@@ -57,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return train_from_cli(args.config, overrides(args), args.resume, args.baseline)
         if args.command == "report":
-            from frugaltrain.metrics.report import report
+            from frugaltrain.metrics.report import report_runs
 
-            report(args.run_dir)
+            report_runs(args.run_dir, args.plot_bytes)
             return 0
         if args.command == "export":
             from frugaltrain.train.export import export

@@ -1,11 +1,22 @@
-"""Summary table and loss plots of a run, from its metrics.jsonl alone (`report` re-renders)."""
+"""Summary table and loss plots of a run, from its metrics.jsonl alone (`report` re-renders),
+and the comparison of several runs' validation loss against the bytes they sent
+(`report_runs`, `frugaltrain report RUN_DIR ... --plot-bytes OUT.png`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from frugaltrain.config import ConfigError
 from frugaltrain.metrics.log import read_metrics
+
+# Per-peer figures the summary totals per worker (metrics/peers.py), and how its table names
+# the peer with the most of each.
+PEER_ROWS = {
+    "peer/compute_s": ("slowest peer: most compute s", "{clock}"),
+    "peer/blocking_s": ("peer with most blocking comm s", "{clock}"),
+    "peer/bytes_sent": ("peer with most bytes sent", "model-counted, {clock} run"),
+}
 
 
 def summarize(records: list[dict]) -> dict:
@@ -51,7 +62,37 @@ def summarize(records: list[dict]) -> dict:
     if all("flops/train" in r for r in rounds):
         out["flops/train"] = sum(r["flops/train"] for r in rounds)
         out["flops/label"] = last.get("flops/label", "estimated (analytic)")
+    out.update(peer_totals(rounds))
     return out
+
+
+def peer_totals(rounds: list[dict]) -> dict[str, list]:
+    """Each worker's total of the PEER_ROWS figures over the rounds that have them (None for a
+    worker that never reported one)."""
+    out = {}
+    for key in PEER_ROWS:
+        lists = [r[key] for r in rounds if isinstance(r.get(key), list)]
+        if not lists:
+            continue
+        totals: list = [None] * max(len(v) for v in lists)
+        for values in lists:
+            for rank, v in enumerate(values):
+                if v is not None:
+                    totals[rank] = (totals[rank] or 0) + v
+        out[key] = totals
+    return out
+
+
+def _peer_rows(summary: dict, clock: str) -> list[tuple[str, str]]:
+    """The peer with the most of each PEER_ROWS figure, with several workers reporting."""
+    rows = []
+    for key, (name, note) in PEER_ROWS.items():
+        totals = [(v, rank) for rank, v in enumerate(summary.get(key) or []) if v is not None]
+        if len(totals) < 2:
+            continue
+        value, rank = max(totals, key=lambda t: t[0])  # ties: the lowest rank
+        rows.append((f"{name} ({note.format(clock=clock)})", f"worker {rank}: {_fmt(value)}"))
+    return rows
 
 
 def _fmt(v) -> str:
@@ -84,6 +125,7 @@ def format_summary(summary: dict) -> str:
         ("bytes sent per worker (model-counted)", _fmt(summary["comm/bytes_sent"])),
         ("bytes received per worker (model-counted)", _fmt(summary["comm/bytes_received"])),
         (f"wall s ({clock})", _fmt(summary["time/wall_s"])),
+        *_peer_rows(summary, clock),
     ]
     if "consensus/total_last" in summary:
         rows.append(("consensus distance (last eval)", _fmt(summary["consensus/total_last"])))
@@ -166,12 +208,7 @@ def report(run_dir: str | Path, quiet: bool = False) -> dict:
     A simulated run's summary.json is the simulator's own (loss floor, faults, cluster energy)
     and is kept; the table is still printed from the records."""
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        from frugaltrain.config import ConfigError
-
-        raise ConfigError(f"{run_dir} has no metrics.jsonl; pass a run directory from `train`")
-    records = read_metrics(metrics)
+    records = read_metrics(_metrics_file(run_dir))
     summary = summarize(records)
     if summary.get("clock") != "simulated":
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -181,3 +218,89 @@ def report(run_dir: str | Path, quiet: bool = False) -> dict:
         print(format_summary(summary) if summary else "no complete round yet")
         print(f"plot: {plot}")
     return summary
+
+
+def _metrics_file(run_dir: Path) -> Path:
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ConfigError(
+            f"{metrics} not found: {run_dir} has no metrics.jsonl; pass a run directory from "
+            "`train` or `simulate`"
+        )
+    return metrics
+
+
+def bytes_curve(records: list[dict]) -> tuple[list[int], list[float]]:
+    """(cumulative bytes sent per worker, validation loss) at each round with a validation
+    loss; rounds before any byte was sent are left out (a log axis has no 0)."""
+    xs, ys, sent = [], [], 0
+    for r in records:
+        if r.get("kind") != "round":
+            continue
+        sent += r.get("comm/bytes_sent", 0)
+        if "loss/val" in r and sent > 0:
+            xs.append(sent)
+            ys.append(r["loss/val"])
+    return xs, ys
+
+
+def plot_loss_vs_bytes(runs: list[tuple[str, list[dict]]], path: Path) -> Path:
+    """Validation loss against cumulative bytes sent per worker (log x), one line per
+    (label, records) run, into `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, records in runs:
+        xs, ys = bytes_curve(records)
+        ax.plot(xs, ys, "o-", ms=3, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per worker, cumulative (model-counted)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss vs bytes sent")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+_PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def report_runs(run_dirs: list[str | Path], plot_bytes: str | Path | None = None) -> list[dict]:
+    """`report` every run in turn, then with `plot_bytes` draw their validation loss against
+    the bytes each sent into that file. Every input is checked before anything is written."""
+    dirs = [Path(d) for d in run_dirs]
+    records = {d: read_metrics(_metrics_file(d)) for d in dirs}
+    runs = []
+    if plot_bytes is not None:
+        out = Path(plot_bytes)
+        if out.suffix.lower() not in _PLOT_SUFFIXES or not out.parent.is_dir():
+            raise ConfigError(
+                f"--plot-bytes {out}: give a {', '.join(_PLOT_SUFFIXES)} file in an existing "
+                "directory"
+            )
+        for d in dirs:
+            last = next((r for r in reversed(records[d]) if r.get("kind") == "round"), {})
+            if bytes_curve(records[d])[0]:
+                clock = last.get("clock", "measured")
+                runs.append((f"{d.name} ({last.get('strategy')}, {clock})", records[d]))
+            else:
+                print(f"{d}: no validation loss after a byte was sent; not in the plot")
+        if not runs:
+            raise ConfigError(
+                f"--plot-bytes {out}: no run given has a validation loss after sending bytes "
+                "(one-worker runs send none); nothing to plot"
+            )
+    summaries = []
+    for d in dirs:
+        if len(dirs) > 1:
+            print(f"\n== {d}")
+        summaries.append(report(d))
+    if runs:
+        print(f"loss vs bytes: {plot_loss_vs_bytes(runs, Path(plot_bytes))}")
+    return summaries
