@@ -236,6 +236,7 @@ def test_peer_figures_survive_the_mean_over_whoever_posted(make_config, tmp_path
     ops = blocking_ops(make_config("outer.strategy='fgd'"))
     figures = [
         {"bytes_sent": 100 * (r + 1), "bytes_received": 7, "blocking_s": 0.5 * r, "compute_s": 2.0}
+        | {"feedback_norm": 0.25 * r}
         for r in range(4)
     ]
     by_op = [{"mix1": 0.1 * r, "mix2": 0.4 * r, "made-up": 1.0} for r in range(4)]
@@ -245,6 +246,7 @@ def test_peer_figures_survive_the_mean_over_whoever_posted(make_config, tmp_path
     fields = fields_from_means(means, 4, ops)
     assert fields["peer/bytes_sent"] == [100, 200, None, 400]
     assert fields["peer/blocking_s"] == pytest.approx([0.0, 0.5, None, 1.5])
+    assert fields["peer/feedback_norm"] == pytest.approx([0.0, 0.25, None, 0.75])
     assert fields["comm/blocking_s/mix2"] == pytest.approx(0.4 * 4 / 3)
     assert fields["comm/blocking_s/other"] == pytest.approx(1.0)  # an unknown name is kept
     assert "comm/blocking_s/outer" not in fields  # never ran: left out, not a zero
@@ -254,6 +256,7 @@ def test_rejections_and_membership_changes_are_counted_in_the_round_record(tmp_p
     ops = ("outer", "other")
     log = _round_log(tmp_path, 2, ops)
     own = {"bytes_sent": 1, "bytes_received": 1, "blocking_s": 0.0, "compute_s": 1.0}
+    own["feedback_norm"] = 0.0  # a dense codec: left out of the record
     posts = [post_vector(r, 2, own, {"outer": 0.0}, ops) for r in range(2)]
     means = [0.0] * len(SCALARS) + [sum(col) / 2 for col in zip(*posts, strict=True)]
     log.events([{"kind": "rejected", "workers": [1], "round": 1}])

@@ -12,6 +12,7 @@ from frugaltrain.comm import LocalComm, compress
 from frugaltrain.comm.base import encode_own
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.config import to_toml
+from frugaltrain.metrics.log import read_metrics
 from frugaltrain.models import build_model
 from frugaltrain.outer import build_strategy
 from frugaltrain.sim import SimSection, simulate
@@ -125,6 +126,9 @@ def test_simulated_bytes_are_the_encoded_bytes(make_config, tmp_path):
     rounds = [r for r in result.records if r.get("kind") == "round"]
     per_round = compress.wire_bytes(numel, "topk:0.01+2bit") * 2
     assert [r["comm/bytes_sent"] for r in rounds] == [per_round] * len(rounds)
+    assert all(
+        len(r["peer/feedback_norm"]) == 3 and min(r["peer/feedback_norm"]) > 0 for r in rounds
+    )
     assert 4 * numel * 2 / per_round > 20  # far below the same gather in fp32
 
 
@@ -162,6 +166,11 @@ def test_error_feedback_resumes_exactly_and_is_dropped_on_rejoin(make_config, st
         for op in fa:
             assert fa[op]["residual"].norm() > 0
             assert torch.equal(fa[op]["residual"], fb[op]["residual"])
+
+    last = [r for r in read_metrics(full_dir / "metrics.jsonl") if r["kind"] == "round"][-1]
+    for rank, state in enumerate(states[0]):  # the logged norm is the checkpointed residual's
+        norms = [fb["residual"].double().norm() ** 2 for fb in state["outer"]["feedback"].values()]
+        assert last["peer/feedback_norm"][rank] == pytest.approx(float(sum(norms) ** 0.5))
 
     strat = build_strategy(full, build_model(full), LocalComm())
     strat.load_state_dict(states[0][0]["outer"], own=True)

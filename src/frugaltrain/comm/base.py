@@ -270,12 +270,12 @@ class Comm:
         n, me = len(self.members), self.position
         norms = torch.zeros(n, dtype=torch.float64)
         norms[me] = norm_of(tensors)
-        t0, recovering = time.perf_counter(), self.stats.recovery_s
+        stats = self.stats
+        t0, recovering, blocked = time.perf_counter(), stats.recovery_s, stats.blocking_s
         self._metric_sum(norms)
-        spent = time.perf_counter() - t0 - (self.stats.recovery_s - recovering)
-        self.stats.blocking_s += spent
-        by_op, op = self.stats.blocking_by_op, self.stats.current_op
-        by_op[op] = by_op.get(op, 0.0) + spent
+        stats.blocking_s += time.perf_counter() - t0 - (stats.recovery_s - recovering)
+        by_op, op = stats.blocking_by_op, stats.current_op  # the change: the simulator's clock
+        by_op[op] = by_op.get(op, 0.0) + stats.blocking_s - blocked
         v = verdict(norms.numpy(), self.guard)
         if v.scale[me] != 1.0:
             for t in tensors:

@@ -3,6 +3,8 @@
 
     peer/bytes_sent, peer/bytes_received   [rank] model-counted bytes this worker moved
     peer/blocking_s, peer/compute_s        [rank] seconds blocked in communication, computing
+    peer/feedback_norm                     [rank] norm of what a sparse codec has not yet sent
+                                           (comm/feedback.py; absent with a dense codec)
     comm/blocking_s/<op>                   the workers' mean blocking seconds in operation <op>,
                                            the name a strategy gives a collective (outer,
                                            grads, mix1, mix2, pull, fragmentK; `other` for a
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from frugaltrain.config import Config
 
-PEER_KEYS = ("bytes_sent", "bytes_received", "blocking_s", "compute_s")
+PEER_KEYS = ("bytes_sent", "bytes_received", "blocking_s", "compute_s", "feedback_norm")
 # The names outer/ gives its collectives (Comm.all_reduce_mean_/mix_ `op=`); Streaming's
 # fragments are added from the config. Add a new strategy's names here.
 KNOWN_OPS = ("grads", "mix1", "mix2", "outer", "pull")
@@ -107,6 +109,8 @@ def peer_fields(peers: dict[str, list], by_op: dict[str, float]) -> dict:
     """Record keys of per-peer lists (bytes as integers) and per-op means."""
     out = {}
     for key, values in peers.items():
+        if key == "feedback_norm" and not any(values):
+            continue  # a dense codec: nothing is held back
         whole = key.startswith("bytes")
         out[f"peer/{key}"] = [
             None if v is None else (int(round(v)) if whole else float(v)) for v in values

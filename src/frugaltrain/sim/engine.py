@@ -400,6 +400,8 @@ class _Sim:
         records (the same verdict on every worker) are logged once, as worker 0 does."""
         figures = {"bytes_sent": d["sent"], "bytes_received": d["received"]}
         figures.update(blocking_s=d["blocking"], compute_s=d["compute"])
+        strategies = [self.workers[i].strategy for i in live]
+        figures["feedback_norm"] = [getattr(s, "feedback_norm", lambda: 0.0)() for s in strategies]
         now = [dict(w.comm.stats.blocking_by_op) for w in self.workers]
         by_op = [{k: v - self._prev_ops[i].get(k, 0.0) for k, v in now[i].items()} for i in live]
         self._prev_ops = now

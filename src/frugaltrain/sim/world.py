@@ -311,15 +311,6 @@ class SimComm(Comm):
 
         return Exchange(wait_all, lambda: self.world.is_done(self.rank, op))
 
-    def _check(self, *args, **kwargs):
-        """Comm._check, with the blocking split by operation kept on the simulated clock: the
-        guard's norm exchange costs no simulated time (a metric operation), but Comm._check
-        books the wall-clock seconds threads spent meeting under the operation's name."""
-        before = dict(self.stats.blocking_by_op)
-        verdict = super()._check(*args, **kwargs)
-        self.stats.blocking_by_op = before
-        return verdict
-
     def _metric(self, t: torch.Tensor, kind: str) -> None:
         self.metric_seq += 1
         op = self.world.post(self.rank, ("metric", self.metric_seq), kind, t.clone())

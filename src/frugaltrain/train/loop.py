@@ -149,6 +149,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter, sent.recovery_s]
         own = {"bytes_sent": sent.bytes_sent, "bytes_received": sent.bytes_received}
         own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
+        own["feedback_norm"] = getattr(w.strategy, "feedback_norm", lambda: 0.0)()
         scalars += post_vector(comm.rank, comm.world_size, own, sent.blocking_by_op, log.ops)
         if comm.rank == 0:
             record.update(comm.round_fields())
