@@ -19,6 +19,8 @@ def test_key_set_is_pinned():
             "name",
             "out_dir",
             "workers",
+            "shards",
+            "activation_checkpointing",
             "seed",
             "steps",
             "eval_every",

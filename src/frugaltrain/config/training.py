@@ -87,7 +87,15 @@ class RunSection(Section):
     out_dir: str = "runs"
     """Parent directory of run directories."""
     workers: int = 1
-    """Number of worker processes (each a full model replica)."""
+    """Number of workers (model replicas), the members of the outer strategy."""
+    shards: int = 1
+    """Processes per replica: its parameters, gradients and inner optimizer states are sharded
+    over them with FSDP2, each takes data.batch_size / shards of its replica's batch, and the
+    outer strategy runs across replicas on matching shards (docs/sharding.md). 1: one process
+    holds a whole replica."""
+    activation_checkpointing: bool = False
+    """Keep only each transformer block's input for backward and recompute the rest (less
+    activation memory for about one more forward pass of compute)."""
     seed: int = 0
     """Seed for model init, data order and everything random."""
     steps: int = 200
@@ -165,7 +173,7 @@ class RunSection(Section):
             "must be a plain name (letters, digits, '.', '_', '-'): the run directory is "
             "run.out_dir/run.name; set run.out_dir to put runs elsewhere",
         )
-        for name in ("workers", "steps", "eval_batches"):
+        for name in ("workers", "shards", "steps", "eval_batches"):
             self.at_least(name, 1)
         self.at_least("eval_every", 0, "0: end only")
         self.one_of("backend", ("auto", "gloo", "nccl"))
@@ -491,7 +499,36 @@ class Config:
             )
         if o.strategy == "streaming":
             _check_streaming(o, m)
+        if r.shards > 1:
+            _check_shards(r, d, opt, o)
         _check_faults(r, o)
+
+
+def _check_shards(r: RunSection, d: DataSection, opt: OptimSection, o: OuterSection) -> None:
+    """What a replica sharded over run.shards processes supports (docs/sharding.md)."""
+    require(
+        d.batch_size % r.shards == 0,
+        "data.batch_size",
+        d.batch_size,
+        f"must be a multiple of run.shards = {r.shards} (each shard process takes an equal "
+        f"part of its replica's batch); use data.batch_size = "
+        f"{max(r.shards, d.batch_size // r.shards * r.shards)}",
+    )
+    require(
+        not opt.name.startswith("forge-"),
+        "optim.name",
+        opt.name,
+        f"FORGE updates whole weights inside backward, which FSDP2 shards over run.shards = "
+        f"{r.shards}; use optim.name = 'adamw' with shards, or run.shards = 1 with FORGE",
+    )
+    require(
+        o.strategy != "ddp",
+        "outer.strategy",
+        o.strategy,
+        f"ddp averages gradients every step, which FSDP2 inside a replica (run.shards = "
+        f"{r.shards}) does not hand to it; use a DiLoCo-family strategy (diloco, fgd, noloco, "
+        "streaming) with shards, or run.shards = 1 with ddp",
+    )
 
 
 def _check_streaming(o: OuterSection, m: ModelSection) -> None:
