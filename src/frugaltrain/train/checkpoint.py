@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,10 @@ class _Hashing:
 
 def _atomic_write(path: Path, write) -> str:
     """Write `path` through `write(file)` under a temporary name, fsync, rename; returns the
-    SHA-256 of the bytes. On any failure the temporary file is removed and the error raised."""
-    tmp = path.with_name(path.name + ".tmp")
+    SHA-256 of the bytes. On any failure the temporary file is removed and the error raised.
+    The temporary name is the writer's own: on a shared file system two machines each write the
+    same COMPLETE manifest, and the second rename must not find the first one's file gone."""
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             hashing = _Hashing(f)
