@@ -10,6 +10,7 @@ or this process as one worker under torchrun.
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -156,6 +157,22 @@ def under_torchrun() -> bool:
 
 def _join_torchrun(cfg: Config) -> None:
     """Initialize the default process group from torchrun's environment (env://)."""
+    if cfg.run.fault_tolerance:  # before the group: every rank refuses alike
+        raise ConfigError(
+            "run.fault_tolerance = true: under torchrun a failed worker makes torchrun restart "
+            "every worker (torchrun --max-restarts N), and they resume from the newest "
+            "checkpoint; the in-process fault-tolerant runtime needs the local launcher "
+            "(frugaltrain train --workers N); set run.fault_tolerance = false and run.inject = ''"
+        )
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps its store across restarts but not the keys in it apart: restarted
+        # workers read the addresses of the dead ones (PyTorch issue 135712)
+        raise ConfigError(
+            f"torchrun --max-restarts {restarts} with torchrun's shared store: restarted workers "
+            "would connect to the addresses of the ones they replace; start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every machine"
+        )
     dist.init_process_group(backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
     if dist.get_world_size() != cfg.run.workers:
         raise ConfigError(
@@ -164,17 +181,58 @@ def _join_torchrun(cfg: Config) -> None:
         )
 
 
-def _shared_run_dir(cfg: Config) -> Path:
-    """One run directory for all torchrun ranks: rank 0 picks it (runs/NAME, or NAME-1 ... if
-    taken) and sends the path to the others, who create it too: on a second machine without a
-    shared file system it then holds that machine's workers' checkpoints."""
+_JOB_FILE = "torchrun_job"  # in a run directory: which torchrun agent started it
+
+
+def _torchrun_job() -> str:
+    """The torchrun job this worker belongs to: its agent (this process's parent, the same
+    process across its restarts of the workers) and the rendezvous id."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"{socket.gethostname()} pid {os.getppid()} rdzv-id {job}\n"
+
+
+def _restarted_run_dir(cfg: Config) -> Path | None:
+    """The run directory this torchrun job started before torchrun restarted its workers."""
+    base = Path(cfg.run.out_dir) / cfg.run.name
+    path, i = base, 1
+    while path.exists():
+        if (path / _JOB_FILE).is_file() and (path / _JOB_FILE).read_text() == _torchrun_job():
+            return path
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return None
+
+
+def _shared_run_dir(cfg: Config) -> tuple[Path, bool]:
+    """One run directory for all torchrun ranks, and whether torchrun restarted them. Rank 0
+    picks it on the first start (runs/NAME, or NAME-1 ... if taken), finds it again after a
+    restart, and sends the path to the others, who create it too: on a second machine without
+    a shared file system it then holds that machine's workers' checkpoints."""
     group = dist.new_group(backend="gloo")  # a CPU group, whatever the training backend
-    path = [str(new_run_dir(cfg)) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0, group=group)
+    picked: list = [None]
+    if dist.get_rank() == 0:
+        found = _restarted_run_dir(cfg)
+        path = found or new_run_dir(cfg)
+        (path / _JOB_FILE).write_text(_torchrun_job())
+        picked = [(str(path), found is not None)]
+    dist.broadcast_object_list(picked, src=0, group=group)
     dist.destroy_process_group(group)
-    run_dir = Path(path[0])
+    run_dir, restarted = Path(picked[0][0]), picked[0][1]
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return run_dir, restarted
+
+
+def _agreed_checkpoint(run_dir: Path, mine: Path | None) -> Path | None:
+    """The checkpoint every torchrun rank resumes from: the oldest of the ranks' newest intact
+    ones (machines without a shared file system each see their own), None if one has none."""
+    group = dist.new_group(backend="gloo")
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, mine.name if mine else None, group=group)
+    dist.destroy_process_group(group)
+    if None in names:
+        return None
+    ckpt = Path(run_dir) / "checkpoints" / min(names)
+    checkpoint.verify(ckpt)
+    return ckpt
 
 
 def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
@@ -209,6 +267,7 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
         check_sinks(cfg)
         if under_torchrun():  # every rank was given the same directory
             _join_torchrun(cfg)
+            ckpt = _agreed_checkpoint(run_dir, ckpt)
         return cfg, run_dir, ckpt
     cfg = load_config(config_path, overrides)
     check_sinks(cfg)  # a missing TensorBoard or wandb package
@@ -216,7 +275,14 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
     check_data(cfg)
     if under_torchrun():
         _join_torchrun(cfg)
-        return cfg, _shared_run_dir(cfg), None
+        run_dir, restarted = _shared_run_dir(cfg)
+        if not restarted:
+            return cfg, run_dir, None
+        # torchrun restarted every worker after a failure: go on from the newest checkpoint
+        ckpt = _agreed_checkpoint(run_dir, checkpoint.latest_intact(run_dir))
+        if ckpt is None and dist.get_rank() == 0:  # none yet: start over in the same directory
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        return cfg, run_dir, ckpt
     return cfg, new_run_dir(cfg), None
 
 

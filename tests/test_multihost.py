@@ -1,0 +1,173 @@
+"""The multi-machine launch, run as two torchrun node agents on one machine: the documented
+command on each "machine", one c10d rendezvous endpoint on a free port, one run directory. A
+worker of node 1 is SIGKILLed mid-run; torchrun restarts every worker and they go on from the
+newest checkpoint. A second launch of the same two agents resumes the stopped run. The result
+equals, bit for bit, the simulation of the same config (one process, a second), which
+tests/sim/test_sim_equality.py proves equal to locally spawned worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_pool import free_port
+
+from frugaltrain.config import ConfigError, to_toml
+from frugaltrain.metrics.log import read_metrics
+from frugaltrain.sim import SimSection, simulate
+from frugaltrain.train import checkpoint, launch
+
+# One worker per node: two per node cost twice the time (process starts) and test no more
+# on two nodes than tests/test_launch_torchrun.py does on one (a second local rank).
+NODES, PER_NODE = 2, 1
+WORKERS = NODES * PER_NODE
+SETS = (
+    f"run.workers={WORKERS}",
+    "run.steps=48",  # 8 rounds of H = 6
+    "run.checkpoint_every=1",
+    "run.deterministic_comm=true",
+    "run.name='mh'",
+)
+
+
+def _node_agents(args: list[str], cwd: Path, tag: str) -> list[subprocess.Popen]:
+    """Two torchrun agents, as on two machines: the same command, one endpoint; node 0 hosts
+    the rendezvous store (on real machines torchrun finds that from the endpoint's host name)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents = []
+    for node in range(NODES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}"]
+        cmd += [f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d"]
+        cmd += [f"--rdzv-endpoint={endpoint}", "--rdzv-id=mh", f"--rdzv-conf=is_host={node == 0}"]
+        cmd += ["--max-restarts=1", "--monitor-interval=0.1", "-m", "frugaltrain", "train", *args]
+        log = open(cwd / f"{tag}_node{node}.log", "w")  # noqa: SIM115
+        # A session of its own: the finally below stops the agent and its workers together.
+        agents.append(
+            subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    return agents
+
+
+def _finish(agents: list[subprocess.Popen], cwd: Path, tag: str) -> list[str]:
+    """Wait for both agents; returns their logs (each must have succeeded)."""
+    for agent in agents:
+        agent.wait(timeout=120)
+    logs = [(cwd / f"{tag}_node{k}.log").read_text() for k in range(NODES)]
+    for agent, log in zip(agents, logs, strict=True):
+        assert agent.returncode == 0, log[-4000:]
+    return logs
+
+
+def _stop(agents: list[subprocess.Popen]) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
+def _workers_of(agent: subprocess.Popen) -> dict[int, dict[str, str]]:
+    """The worker processes torchrun started under `agent`: pid -> their environment."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == agent.pid:
+                raw = (proc / "environ").read_bytes().split(b"\0")
+                found[int(proc.name)] = dict(v.decode().split("=", 1) for v in raw if b"=" in v)
+        except OSError:  # exited meanwhile
+            continue
+    return found
+
+
+def _wait_for(path: Path, agents: list[subprocess.Popen], timeout_s: float = 90) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert all(a.poll() is None for a in agents), "an agent exited before " + str(path)
+        assert time.monotonic() - t0 < timeout_s, f"no {path} after {timeout_s} s"
+        time.sleep(0.02)
+
+
+def _kill_one_worker(agents: list[subprocess.Popen]) -> dict[str, str]:
+    """SIGKILL one of node 1's workers (stopped first, so it cannot finish meanwhile); returns
+    its environment. Checks that the two nodes hold distinct node ranks and global ranks."""
+    workers = [_workers_of(a) for a in agents]
+    assert [len(w) for w in workers] == [PER_NODE] * NODES, workers
+    groups = [{env["GROUP_RANK"] for env in w.values()} for w in workers]
+    assert len(groups[0]) == len(groups[1]) == 1 and groups[0] != groups[1]
+    ranks = sorted(int(env["RANK"]) for w in workers for env in w.values())
+    assert ranks == list(range(WORKERS))
+    pid, env = max(workers[1].items())
+    os.kill(pid, signal.SIGSTOP)
+    state, t0 = "R", time.monotonic()
+    while state not in ("T", "Z") and time.monotonic() - t0 < 10:  # the signal is asynchronous
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state == "T", f"worker {pid} had finished before it was stopped ({state})"
+    os.kill(pid, signal.SIGKILL)
+    return env
+
+
+def test_two_node_agents_survive_a_killed_worker_and_resume_exactly(make_config, tmp_path):
+    out = tmp_path / "runs"
+    cfg = make_config(*SETS, f"run.out_dir={str(out)!r}")
+    config_file = tmp_path / "mh.toml"
+    config_file.write_text(to_toml(cfg))
+    run_dir = out / "mh"
+    agents = []
+    try:
+        # First launch, to round 5; a worker of node 1 dies after the first checkpoint.
+        agents = _node_agents(
+            ["--config", str(config_file), "--set", "run.stop_at_round=5"], tmp_path, "first"
+        )
+        _wait_for(run_dir / "checkpoints" / "round_000001" / "COMPLETE", agents)
+        killed = _kill_one_worker(agents)
+        logs = _finish(agents, tmp_path, "first")
+        assert f"local_rank: {killed['LOCAL_RANK']}" in logs[1] and "exitcode: -9" in logs[1]
+        assert "resuming from round_00000" in "".join(logs)  # rank 0 says where it went on
+        assert [p.name for p in out.iterdir()] == ["mh"]  # the restart kept the directory
+        stopped = checkpoint.latest_complete(run_dir)
+        assert stopped.name == "round_000005"
+        manifest = json.loads((stopped / "COMPLETE").read_text())  # written by both nodes
+        assert sorted(manifest["files"]) == [f"worker_{r}.pt" for r in range(WORKERS)]
+        checkpoint.verify(stopped)
+
+        # Second launch: the same two agents' command with --resume, to the end.
+        agents = _node_agents(["--resume", str(run_dir)], tmp_path, "second")
+        logs = _finish(agents, tmp_path, "second")
+        assert "resuming from round_000005" in "".join(logs)
+    finally:
+        _stop(agents)
+    assert checkpoint.latest_complete(run_dir).name == "round_000008"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 9))
+    assert [r["step"] for r in records if r.get("kind") == "step"] == list(range(1, 49))
+
+    reference = simulate(cfg, SimSection(ratio=0.887), tmp_path / "sim")
+    final = checkpoint.latest_complete(run_dir)
+    for rank, model in enumerate(reference.models):
+        state = torch.load(final / f"worker_{rank}.pt", weights_only=False)
+        assert state["step"] == 48
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), state["model"][name]), (rank, name)
+
+
+def test_torchrun_refuses_what_it_cannot_run(make_config, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    ft = make_config("run.fault_tolerance=true")
+    with pytest.raises(ConfigError, match="run.fault_tolerance = true: under torchrun"):
+        launch._join_torchrun(ft)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        launch._join_torchrun(make_config())
