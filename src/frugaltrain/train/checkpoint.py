@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from frugaltrain.comm.compress import is_sparse
 from frugaltrain.config import Config, ConfigError, to_dict
 
 # Keys that must match for a checkpoint to be resumable; run.steps, checkpointing and display
@@ -91,14 +92,24 @@ def save_worker(run_dir: Path, round_idx: int, rank: int, state: dict) -> None:
     _atomic_write(d / f"worker_{rank}.pt.sha256", lambda f: f.write(sha.encode()))
 
 
+def write_hash(path: Path) -> None:
+    """The `.sha256` beside a file written by someone else (DCP: train/sharded_checkpoint.py),
+    read back once to hash it."""
+    sha = _sha256(path)
+    _atomic_write(path.with_name(path.name + ".sha256"), lambda f: f.write(sha.encode()))
+
+
 def mark_complete(run_dir: Path, round_idx: int, step: int, cfg: Config) -> None:
-    """The manifest of this machine's worker files (their hashes from the `.sha256` beside them)."""
+    """The manifest of this machine's files (their hashes from the `.sha256` beside them): worker
+    files, or with shards each replica's DCP directory (train/sharded_checkpoint.py)."""
     d = round_dir(run_dir, round_idx)
-    files = {p.name[: -len(".sha256")]: p.read_text() for p in sorted(d.glob("*.pt.sha256"))}
+    hashes = sorted(d.rglob("*.sha256"))
+    files = {str(p.relative_to(d))[: -len(".sha256")]: p.read_text() for p in hashes}
     meta = {
         "round": round_idx,
         "step": step,
         "workers": cfg.run.workers,
+        "shards": cfg.run.shards,
         "fingerprint": digest(config_fingerprint(cfg)),
         "files": files,
     }
@@ -161,12 +172,24 @@ def check_resumable(ckpt_dir: Path, cfg: Config) -> dict:
             f"checkpoint {ckpt_dir} was written by {meta['workers']} workers but run.workers = "
             f"{cfg.run.workers}; resume with --set run.workers={meta['workers']}"
         )
+    saved = meta.get("shards", 1)
+    if saved != cfg.run.shards and is_sparse(cfg.outer.codec) and cfg.outer.feedback_decay > 0:
+        raise ConfigError(
+            f"checkpoint {ckpt_dir} was written with run.shards = {saved} and "
+            f"outer.codec = {cfg.outer.codec!r} keeps each shard's unsent residual (error "
+            f"feedback), which does not reshard; resume with --set run.shards={saved}"
+        )
     if meta["fingerprint"] != digest(config_fingerprint(cfg)):
         raise ConfigError(
             f"checkpoint {ckpt_dir} was written with a different model/data/optim/outer config or "
             "seed than the one given; resume without changing those sections"
         )
     return meta
+
+
+def is_sharded(ckpt_dir: Path) -> bool:
+    """Whether `ckpt_dir` holds DCP replica directories (written with run.shards > 1)."""
+    return _manifest(ckpt_dir).get("shards", 1) > 1
 
 
 def load_worker(ckpt_dir: Path, rank: int, cfg: Config) -> dict[str, Any]:
