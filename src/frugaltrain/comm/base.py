@@ -150,15 +150,20 @@ class Comm:
     bit-identical to the simulator) instead of the runtime's native ring all-reduce; it moves
     (M-1) S instead of 2 (M-1)/M S bytes per worker, and is counted as such.
     guard: keep bad contributions out of every average and mix (comm/guard.py); None: no check.
+    shard_link: with run.shards > 1, the other shards of this worker's replica
+        (comm/shardlink.py): the guard then judges the replica's whole contribution.
     """
 
     rank: int = 0
     world_size: int = 1
 
-    def __init__(self, *, deterministic: bool = False, guard: Guard | None = None) -> None:
+    def __init__(
+        self, *, deterministic: bool = False, guard: Guard | None = None, shard_link=None
+    ) -> None:
         self.stats = CommStats()
         self.deterministic = deterministic
         self.guard = guard
+        self.shard_link = shard_link
         self.members: list[int] = []
         self.events: list[dict] = []  # records for worker 0's metrics log (drain_events)
         self._op_seq = 0
@@ -269,7 +274,7 @@ class Comm:
             return None
         n, me = len(self.members), self.position
         norms = torch.zeros(n, dtype=torch.float64)
-        norms[me] = norm_of(tensors)
+        norms[me] = self._contribution_norm(tensors)
         stats = self.stats
         t0, recovering, blocked = time.perf_counter(), stats.recovery_s, stats.blocking_s
         self._metric_sum(norms)
@@ -286,6 +291,13 @@ class Comm:
         if me in v.rejected and feedback is not None:
             feedback.reset()
         return v
+
+    def _contribution_norm(self, tensors: list[torch.Tensor]) -> float:
+        """The norm the guard judges: of `tensors`, or with shards of the replica's whole
+        contribution, so every shard group reaches the same verdict."""
+        if self.shard_link is None:
+            return norm_of(tensors)
+        return self.shard_link.norm(tensors)
 
     def _rejection_record(self, v: Verdict) -> dict:
         return {

@@ -46,6 +46,15 @@ Two things never wait on a straggler (only the participants of blocking operatio
 
 Membership changes are printed with a worker/round prefix and handed to worker 0's metrics log
 as `"kind": "membership"` records.
+
+With run.shards = S > 1 (docs/sharding.md) there is one such world per shard index s: its
+members are the replicas, each represented by its shard-s process, and its keys live under the
+store prefix `shard{s}`. A dead process takes its whole replica out (the launcher stops the
+siblings and restarts all S), so every shard group loses and regains the same member. What must
+agree across the S groups goes through the replica's ShardLink (comm/shardlink.py): the guard's
+norms, which Mix1 messages count (those that arrived at every shard), and when a restarted
+replica is admitted: the first process at a round end in any group decides it for all
+(`ft/admit/ROUND` in the run's store), once the replica's S processes have all asked to join.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ from frugaltrain.comm.base import (
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.guard import Guard, norm_of, verdict
 from frugaltrain.comm.rendezvous import Membership, Round, evict_key
+from frugaltrain.comm.shardlink import ShardLink
 from frugaltrain.faults import Injector, corrupt_, fire
 
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
@@ -131,6 +141,8 @@ class ElasticComm(Comm):
         guard: keeps bad contributions out (comm/guard.py). Mix1 on this runtime judges the
             messages that arrived by their norms and this worker's own; blocking operations
             share the norms of all members first, as on the other runtimes.
+        namespace: store prefix of this world's keys ("shard{s}" with shards; "" without).
+        shard_link: the other shards of this worker's replica (run.shards > 1).
     """
 
     def __init__(
@@ -148,9 +160,13 @@ class ElasticComm(Comm):
         port: int = 0,
         incarnation: int = 1,
         guard: Guard | None = None,
+        namespace: str = "",
+        shard_link: ShardLink | None = None,
     ) -> None:
-        super().__init__(deterministic=False, guard=guard)
-        self.store = store
+        super().__init__(deterministic=False, guard=guard, shard_link=shard_link)
+        self.root = store  # the run's store: replica-wide decisions (shards)
+        self.namespace = namespace
+        self.store = dist.PrefixStore(namespace, store) if namespace else store
         self.rank, self.world_size = rank, world_size
         self.timeout_s = timeout_s
         self.mix1_deadline_s = mix1_deadline_s
@@ -185,6 +201,7 @@ class ElasticComm(Comm):
             world_size,
             timeout_s=timeout_s,
             hb_timeout_s=self.hb_timeout_s,
+            namespace=namespace,
         )
         # Heartbeats start on becoming a member: a restarted worker waiting to rejoin must not
         # look alive under its rank while the others decide who is left.
@@ -200,6 +217,8 @@ class ElasticComm(Comm):
     def _beat(self, host: str, port: int) -> None:
         try:
             client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+            if self.namespace:
+                client = dist.PrefixStore(self.namespace, client)
             while not self._stop.is_set():
                 if not self._silent.is_set():
                     client.add(f"ft/hb/{self.rank}", 1)
@@ -544,27 +563,39 @@ class ElasticComm(Comm):
                 if time.monotonic() - t0 > deadline:
                     break
                 time.sleep(0.001)
+            usable = [
+                j for j in recv_from if self._usable(arrived[j], members[j], beats[j], posted, k)
+            ]
+            if self.shard_link is not None:  # only what arrived at every shard of the replica
+                got = {members[j] for j in usable}  # by worker: the groups' members may differ
+                everywhere = self.shard_link.count([r in got for r in range(self.world_size)])
+                usable = [j for j in usable if everywhere[members[j]]]
             rows, flats, senders = [w[me, me]], [flat], [self.rank]
-            for j in recv_from:
-                r = members[j]
-                if not arrived[j].is_set():
-                    self.mix1_late += 1
-                    self._check_silent(r, beats[j], posted)
-                    continue
-                if arrived[j].error is not None:
-                    self._report(f"worker {r}: {arrived[j].error}")
-                    continue
-                if self.injector and self.injector.dropped(0, k, r, self.rank):
-                    self.dropped += 1
-                    continue
+            for j in usable:
                 rows.append(w[me, j])
                 flats.append(compress.decode(bufs[j], codec, flat.numel()))
-                senders.append(r)
+                senders.append(members[j])
             rows, flats = self._judge_arrivals(rows, flats, senders)
             total = sum(rows)  # rows renormalized over the messages that arrived in time
             unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
 
         return Handle(self.stats, finish, lambda: all(e.is_set() for e in arrived.values()))
+
+    def _usable(self, arrived: threading.Event, r: int, beat: int, posted: float, k: int) -> bool:
+        """Whether Mix1's message from worker r counts: it arrived in time, intact, and was not
+        dropped by an injected fault. A late one from a silent peer, or a broken socket, is
+        reported (the members re-form at the round end)."""
+        if not arrived.is_set():
+            self.mix1_late += 1
+            self._check_silent(r, beat, posted)
+            return False
+        if arrived.error is not None:  # type: ignore[attr-defined]
+            self._report(f"worker {r}: {arrived.error}")  # type: ignore[attr-defined]
+            return False
+        if self.injector and self.injector.dropped(0, k, r, self.rank):
+            self.dropped += 1
+            return False
+        return True
 
     def _judge_arrivals(self, rows: list, flats: list, senders: list[int]) -> tuple[list, list]:
         """The guard on what arrived in time (this worker's own contribution first): the ones
@@ -572,7 +603,11 @@ class ElasticComm(Comm):
         its peers' values."""
         if self.guard is None or len(flats) < 2:
             return rows, flats
-        v = verdict(np.array([norm_of([f]) for f in flats]), self.guard)
+        if self.shard_link is None:
+            norms = [norm_of([f]) for f in flats]
+        else:  # the whole replicas' norms: the same verdict in every shard group
+            norms = self.shard_link.norms(flats)
+        v = verdict(np.array(norms), self.guard)
         if v.clean:
             return rows, flats
         record = self._rejection_record(v)
@@ -745,8 +780,8 @@ class ElasticComm(Comm):
         # has since re-formed (a failure) takes part in no admission at this round end.
         key = f"ft/round/{round_idx}"
         if not self._has(key):
-            waiting = self.membership.waiting()
-            self.store.compare_set(key, "", f"{int(waiting > 0)}@{self.epoch}")
+            admit = self._admission_due(round_idx)
+            self.store.compare_set(key, "", f"{int(admit)}@{self.epoch}")
         if self.store.get(key).decode() != f"1@{self.epoch}":
             return
         for o in self.log:  # the old epoch's operations end before the new one starts
@@ -775,6 +810,29 @@ class ElasticComm(Comm):
         self._event("joined", workers=rnd.joiners, donor=rnd.donor)
         self._records_due += [f"ft/record/{t}" for t in rnd.tokens]
 
+    def _admission_due(self, round_idx: int) -> bool:
+        """Whether the members re-rendezvous at this round end: a worker waits on the wait list.
+        With shards, one decision for every shard group (the first process at this round end,
+        in any group, takes it): a restarted replica whose S processes have all asked to join."""
+        if self.shard_link is None:
+            return self.membership.waiting() > 0
+        decided = f"ft/admit/{round_idx}"
+        if not self.root.check([decided]):
+            keys = [f"ft/ready/{r}" for r in range(self.world_size) if r not in self.members]
+            ready = [k for k in keys if self.root.check([k])]
+            if self.root.compare_set(decided, "", str(int(bool(ready)))).decode() == "1":
+                for k in ready:  # admitted at this round end: not again at the next
+                    self.root.delete_key(k)
+        return self.root.get(decided).decode() == "1"
+
+    def _ask_to_join(self) -> None:
+        """A restarted replica asks to join once all its S processes are here (the replica
+        group's barrier): from then on the next round end admits it in every shard group."""
+        if self.shard_link is not None:
+            self.shard_link.all_true(True)
+            if self.shard_link.index == 0:
+                self.root.set(f"ft/ready/{self.rank}", str(self.incarnation))
+
     def rejoin(self, load: Callable[[dict], None], state_fn: Callable[[], dict]) -> bool:
         """On a restarted worker: join the rendezvous, and once the members admit it at a
         round end, receive a live peer's state and `load` it. Returns False on a first start
@@ -783,6 +841,7 @@ class ElasticComm(Comm):
             return False
         token = f"{self.rank}:{self.incarnation}"
         print(f"[worker {self.rank}] restarted (incarnation {self.incarnation}); asking to rejoin")
+        self._ask_to_join()
         rnd = self._rendezvous("join")
         self.round = rnd.round
         pos = rnd.members.index(rnd.donor)
@@ -796,13 +855,16 @@ class ElasticComm(Comm):
         mine = state_digest(state_fn())  # what this worker now holds, after loading
         self.store.wait([f"ft/donor_digest/{self.round}"], timedelta(seconds=self.timeout_s))
         theirs = self.store.get(f"ft/donor_digest/{self.round}").decode()
+        match = mine == theirs
+        if self.shard_link is not None:  # every shard of the replica matches its donor shard
+            match = self.shard_link.all_true(match)
         self._event(
             "rejoined",
             worker=self.rank,
             donor=rnd.donor,
             params_digest=mine,
             donor_digest=theirs,
-            match=mine == theirs,
+            match=match,
         )
         self.store.set(f"ft/record/{token}", json.dumps(self.events[-1]))
         return True

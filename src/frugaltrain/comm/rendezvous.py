@@ -92,13 +92,16 @@ def _handler(
     timeout_s: float,
     hb_timeout_s: float,
     evict: str = "",
-) -> tuple[DynamicRendezvousHandler, _Backend, dist.TCPStore]:
+    namespace: str = "",
+) -> tuple[DynamicRendezvousHandler, _Backend, dist.Store]:
     # The rendezvous hands back the run's store; do not start a second TCPStore on the rank 0
     # of each round (torch's default, meant for its own agent).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     client = dist.TCPStore(
         host, port, is_master=False, timeout=timedelta(seconds=max(60.0, timeout_s))
     )
+    if namespace:  # one rendezvous per shard group (run.shards > 1)
+        client = dist.PrefixStore(namespace, client)
     store = dist.PrefixStore(_PREFIX, client)
     backend = _Backend(store, RUN_ID, lambda: bool(evict) and client.check([evict]))
     handler = DynamicRendezvousHandler.from_backend(
@@ -178,6 +181,7 @@ class Membership:
         *,
         timeout_s: float,
         hb_timeout_s: float,
+        namespace: str = "",
     ) -> None:
         self.worker, self.incarnation = worker, incarnation
         self.timeout_s = timeout_s
@@ -189,6 +193,7 @@ class Membership:
             timeout_s,
             hb_timeout_s,
             evict_key(worker, incarnation),
+            namespace,
         )
 
     def next(self, purpose: str, epoch: int, round_idx: int) -> Round:
@@ -233,8 +238,8 @@ class Membership:
         (self.backend.cut.set if on else self.backend.cut.clear)()
 
 
-def close(host: str, port: int, world_size: int) -> None:
+def close(host: str, port: int, world_size: int, namespace: str = "") -> None:
     """Close the run's rendezvous (the launcher, once training is over): a restarted worker
-    still waiting to join is told so and exits."""
-    handler, _, _ = _handler(host, port, world_size, "launcher", 10.0, 1.0)
+    still waiting to join is told so and exits. `namespace`: a shard group's."""
+    handler, _, _ = _handler(host, port, world_size, "launcher", 10.0, 1.0, namespace=namespace)
     handler.set_closed()

@@ -5,6 +5,9 @@ parameter. Gossip exchanges use isend/irecv of the encoded payload, tagged by an
 counter that every worker advances in the same order, so a non-blocking Mix1 and a blocking Mix2
 between the same pair of workers never mix up their messages. Every operation uses the process
 group's timeout (run.timeout_s), so a dead peer raises instead of hanging.
+
+`group` may be a subgroup (with run.shards > 1, shard s of every replica: train/sharding.py);
+ranks and peers are then positions in it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from frugaltrain.comm.base import Comm, Exchange, Handle
 from frugaltrain.comm.guard import Guard
+from frugaltrain.comm.shardlink import ShardLink
 
 _PARTS = 4  # tag space per operation: one tag per encoded part
 
@@ -26,8 +30,9 @@ class TorchDistComm(Comm):
         *,
         deterministic: bool = False,
         guard: Guard | None = None,
+        shard_link: ShardLink | None = None,
     ):
-        super().__init__(deterministic=deterministic, guard=guard)
+        super().__init__(deterministic=deterministic, guard=guard, shard_link=shard_link)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -70,11 +75,12 @@ class TorchDistComm(Comm):
         works = []
         for peer in send_to:
             for k, p in enumerate(parts):
-                works.append(dist.isend(p.contiguous(), peer, group=self.group, tag=tag + k))
+                send = p.contiguous()
+                works.append(dist.isend(send, group=self.group, tag=tag + k, group_dst=peer))
         received = {peer: [torch.empty_like(p) for p in parts] for peer in recv_from}
         for peer in recv_from:
             for k, buf in enumerate(received[peer]):
-                works.append(dist.irecv(buf, peer, group=self.group, tag=tag + k))
+                works.append(dist.irecv(buf, group=self.group, tag=tag + k, group_src=peer))
 
         def wait_all() -> dict[int, list[torch.Tensor]]:
             for w in works:
