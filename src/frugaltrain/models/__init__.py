@@ -11,6 +11,7 @@ import torch
 
 from frugaltrain.config import Config
 from frugaltrain.models.gpt import GPT, GPTConfig
+from frugaltrain.models.parts import block_index
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
@@ -47,24 +48,44 @@ def model_dims(cfg: Config) -> dict[str, int]:
 
 
 def memory_estimate(cfg: Config) -> dict[str, int]:
-    """Bytes one worker needs, estimated before anything is built (the model is built on the
-    meta device, which allocates nothing): its parameters held in fp32 seven times (weights,
-    gradients, two AdamW moments, outer parameters, outer momentum, pseudo-gradient), and one
-    step's activations: per token, 68 d + 10 heads T bytes per block kept for backward (Korthikanti
-    et al., 2022, in fp32) and the logits three times (values, softmax, gradient)."""
+    """Bytes one process needs, estimated before anything is built (the model is built on the
+    meta device, which allocates nothing).
+
+    state_bytes: the parameters held in fp32 seven times (weights, gradients, two AdamW moments,
+        outer parameters, outer momentum, pseudo-gradient), each sharded over the run.shards
+        processes of a replica (FSDP2 shards the first four, the outer strategy works on shards).
+    gathered_bytes: with shards, what FSDP2 holds unsharded at once: the root's parameters
+        (embeddings, head, final norm) from forward to the end of backward and two blocks (one
+        computing, one prefetched), each with its unsharded gradient before reduce-scatter.
+    activation_bytes: one step's activations of the process's batch_size / shards sequences: per
+        token, 68 d + 10 heads T bytes per block kept for backward (Korthikanti et al., 2022, in
+        fp32), or with activation checkpointing 4 d per block plus one block recomputed, and the
+        logits three times (values, softmax, gradient)."""
     with torch.device("meta"):
         model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
-    m, d = cfg.model, cfg.data
+    m, d, shards = cfg.model, cfg.data, cfg.run.shards
     layers, width, heads = m.n_layer, m.n_embd, m.n_head
     if m.family == "hf":
         hf = model.hf.config
         layers, width = hf.num_hidden_layers, hf.hidden_size
         heads = hf.num_attention_heads
     vocab = model_dims(cfg)["vocab_size"]
-    tokens = d.batch_size * d.seq_len
-    per_token = layers * (68 * width + 10 * heads * d.seq_len) + 12 * vocab
-    return {"params": params, "state_bytes": 28 * params, "activation_bytes": tokens * per_token}
+    tokens = d.batch_size // shards * d.seq_len
+    block = 68 * width + 10 * heads * d.seq_len
+    kept = layers * 4 * width + block if cfg.run.activation_checkpointing else layers * block
+    gathered = 0
+    if shards > 1:
+        named = model.named_parameters()
+        in_blocks = sum(p.numel() for n, p in named if block_index(n) is not None)
+        root = params - in_blocks
+        gathered = 2 * 4 * (root + 2 * in_blocks // max(1, layers))
+    return {
+        "params": params,
+        "state_bytes": -(-28 * params // shards),
+        "gathered_bytes": gathered,
+        "activation_bytes": tokens * (kept + 12 * vocab),
+    }
 
 
 def train_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
@@ -109,6 +130,7 @@ __all__ = [
     "autocast",
     "build_model",
     "evaluate",
+    "memory_estimate",
     "model_dims",
     "train_flops_per_token",
 ]

@@ -20,6 +20,7 @@ import fnmatch
 import re
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
+_BLOCK_MODULE = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.\d+$")
 _EMBED = {"wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings"}
 _HEAD = {"head", "lm_head", "ln_f", "norm", "final_layernorm", "final_layer_norm"}
 
@@ -27,6 +28,12 @@ _HEAD = {"head", "lm_head", "ln_f", "norm", "final_layernorm", "final_layer_norm
 def block_index(name: str) -> int | None:
     m = _BLOCK.search(name)
     return int(m.group(1)) if m else None
+
+
+def is_block_module(name: str) -> bool:
+    """Whether the module named `name` (model.named_modules) is one transformer block: the unit
+    FSDP shards and activation checkpointing recomputes."""
+    return _BLOCK_MODULE.search(name) is not None
 
 
 def group_of(name: str) -> str:
