@@ -19,10 +19,11 @@ import pytest
 import torch
 from gloo_pool import free_port
 
+from frugaltrain.cli import main
 from frugaltrain.config import ConfigError, to_toml
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.sim import SimSection, simulate
-from frugaltrain.train import checkpoint, launch
+from frugaltrain.train import checkpoint, launch, nodes
 
 # One worker per node: two per node cost twice the time (process starts) and test no more
 # on two nodes than tests/test_launch_torchrun.py does on one (a second local rank).
@@ -37,17 +38,24 @@ SETS = (
 )
 
 
-def _node_agents(args: list[str], cwd: Path, tag: str) -> list[subprocess.Popen]:
-    """Two torchrun agents, as on two machines: the same command, one endpoint; node 0 hosts
-    the rendezvous store (on real machines torchrun finds that from the endpoint's host name)."""
+def _node_agents(args: list[str], cwd: Path, tag: str, wrapper: bool) -> list[subprocess.Popen]:
+    """Two node agents, as on two machines: the same command, one endpoint on a free port.
+    Plain torchrun (node 0 told to host the rendezvous store: on real machines torchrun sees
+    that from the endpoint's host name), or `frugaltrain train --nodes`, which runs torchrun."""
     endpoint = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not wrapper:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents = []
     for node in range(NODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}"]
-        cmd += [f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d"]
-        cmd += [f"--rdzv-endpoint={endpoint}", "--rdzv-id=mh", f"--rdzv-conf=is_host={node == 0}"]
-        cmd += ["--max-restarts=1", "--monitor-interval=0.1", "-m", "frugaltrain", "train", *args]
+        if wrapper:
+            cmd = [sys.executable, "-m", "frugaltrain", "train", f"--nodes={NODES}"]
+            cmd += ["--node-rank", str(node), "--rdzv", endpoint, *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}"]
+            cmd += [f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d", "--rdzv-id=mh"]
+            cmd += [f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=is_host={node == 0}"]
+            cmd += ["--max-restarts=1", "-m", "frugaltrain", "train", *args]
         log = open(cwd / f"{tag}_node{node}.log", "w")  # noqa: SIM115
         # A session of its own: the finally below stops the agent and its workers together.
         agents.append(
@@ -127,9 +135,8 @@ def test_two_node_agents_survive_a_killed_worker_and_resume_exactly(make_config,
     agents = []
     try:
         # First launch, to round 5; a worker of node 1 dies after the first checkpoint.
-        agents = _node_agents(
-            ["--config", str(config_file), "--set", "run.stop_at_round=5"], tmp_path, "first"
-        )
+        first = ["--config", str(config_file), "--set", "run.stop_at_round=5"]
+        agents = _node_agents(first, tmp_path, "first", wrapper=False)
         _wait_for(run_dir / "checkpoints" / "round_000001" / "COMPLETE", agents)
         killed = _kill_one_worker(agents)
         logs = _finish(agents, tmp_path, "first")
@@ -142,9 +149,10 @@ def test_two_node_agents_survive_a_killed_worker_and_resume_exactly(make_config,
         assert sorted(manifest["files"]) == [f"worker_{r}.pt" for r in range(WORKERS)]
         checkpoint.verify(stopped)
 
-        # Second launch: the same two agents' command with --resume, to the end.
-        agents = _node_agents(["--resume", str(run_dir)], tmp_path, "second")
+        # Second launch, with --resume to the end, by `frugaltrain train --nodes` this time.
+        agents = _node_agents(["--resume", str(run_dir)], tmp_path, "second", wrapper=True)
         logs = _finish(agents, tmp_path, "second")
+        assert "[launcher] machine 1 of 2: torchrun --nnodes=2 --nproc-per-node=1" in logs[1]
         assert "resuming from round_000005" in "".join(logs)
     finally:
         _stop(agents)
@@ -171,3 +179,45 @@ def test_torchrun_refuses_what_it_cannot_run(make_config, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     with pytest.raises(ConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         launch._join_torchrun(make_config())
+
+
+def test_nodes_flags_build_the_torchrun_command(make_config):
+    cfg = make_config("run.workers=4", "run.name='job'")
+    argv = ["--nodes", "2", "--node-rank=1", "--rdzv", "h:29400", "--config", "c.toml"]
+    cmd = nodes.torchrun_command(cfg, 2, 1, "h:29400", [*argv, "--set", "run.steps=9"])
+    assert cmd[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=h:29400",
+        "--rdzv-id=frugaltrain-job",
+        "--rdzv-conf=is_host=0",
+        "--max-restarts=3",
+        *("-m", "frugaltrain", "train", "--config", "c.toml", "--set", "run.steps=9"),
+    ]
+    assert "--rdzv-conf=is_host=1" in nodes.torchrun_command(cfg, 2, 0, "h:29400", [])
+
+
+@pytest.mark.parametrize(
+    ("sets", "where", "argv", "error"),
+    [
+        (("run.workers=3",), (2, 0, "h:1"), [], "make run.workers a multiple of 2"),
+        ((), (2, 2, "h:1"), [], r"--node-rank 2: give N >= 1 machines and this machine's rank"),
+        ((), (2, 0, "h"), [], "--rdzv 'h': give HOST:PORT"),
+        ((), (None, 1, None), [], "--nodes, --node-rank and --rdzv go together"),
+        ((), (2, 0, "h:1"), ["--baseline", "diloco"], "launch the baseline on its own"),
+        (("run.fault_tolerance=true",), (2, 0, "h:1"), [], "run.fault_tolerance = true: under"),
+    ],
+)
+def test_nodes_flags_refuse_bad_input(make_config, sets, where, argv, error):
+    with pytest.raises(ConfigError, match=error):
+        nodes.torchrun_command(make_config("run.workers=2", *sets), *where, argv)
+
+
+def test_nodes_flags_are_checked_before_torchrun_starts(tmp_path, capsys):
+    assert main(["train", "--node-rank", "1", "--rdzv", "h:1"]) == 2
+    assert "--nodes, --node-rank and --rdzv go together" in capsys.readouterr().err
+    assert main(["train", "--nodes", "2", "--node-rank", "1", "--resume", str(tmp_path)]) == 2
+    assert f"--resume {tmp_path}: no config.toml there" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     frugaltrain train --config examples/default.toml --workers 4 --set outer.H=50
     frugaltrain train --resume runs/default          # continue from the latest checkpoint
+    frugaltrain train --nodes 2 --node-rank K --rdzv HOST:29400 --config c.toml  # on machine K
     frugaltrain report runs/default                  # re-render the summary table and plots
     frugaltrain report runs/a runs/b --plot-bytes cmp.png   # loss vs bytes sent, one line each
     frugaltrain export runs/default --out my-model   # the averaged model, transformers format
@@ -42,7 +43,20 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = ArgumentParser(prog="frugaltrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_flags(sub.add_parser("train", help=TRAIN_HELP))
+    p = sub.add_parser("train", help=TRAIN_HELP)
+    add_train_flags(p)
+    p.add_argument(
+        "--nodes",
+        type=int,
+        help="machines in the run: start this machine's share of run.workers under torchrun; "
+        "the same command on every machine (docs/multihost.md)",
+    )
+    p.add_argument("--node-rank", type=int, help="with --nodes: this machine, 0 at --rdzv")
+    p.add_argument(
+        "--rdzv",
+        metavar="HOST:PORT",
+        help="with --nodes: machine 0's address and a free port there (the c10d rendezvous)",
+    )
     p = sub.add_parser("report", help="re-render the summary table and plots of runs")
     p.add_argument("run_dir", nargs="+", help="run directories (from train or simulate)")
     p.add_argument(
@@ -59,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        where = (args.nodes, args.node_rank, args.rdzv) if args.command == "train" else ()
+        if any(w is not None for w in where):
+            from frugaltrain.train.nodes import launch_node
+
+            return launch_node(args.config, overrides(args), args.resume, *where, argv[1:])
         if args.command == "train":
             from frugaltrain.train.launch import train_from_cli
 

@@ -155,15 +155,20 @@ def under_torchrun() -> bool:
     )
 
 
-def _join_torchrun(cfg: Config) -> None:
-    """Initialize the default process group from torchrun's environment (env://)."""
-    if cfg.run.fault_tolerance:  # before the group: every rank refuses alike
+def check_torchrun(cfg: Config) -> None:
+    """Refuse what a run under torchrun cannot do, before any worker joins."""
+    if cfg.run.fault_tolerance:
         raise ConfigError(
             "run.fault_tolerance = true: under torchrun a failed worker makes torchrun restart "
             "every worker (torchrun --max-restarts N), and they resume from the newest "
             "checkpoint; the in-process fault-tolerant runtime needs the local launcher "
             "(frugaltrain train --workers N); set run.fault_tolerance = false and run.inject = ''"
         )
+
+
+def _join_torchrun(cfg: Config) -> None:
+    """Initialize the default process group from torchrun's environment (env://)."""
+    check_torchrun(cfg)  # before the group: every rank refuses alike
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun keeps its store across restarts but not the keys in it apart: restarted
