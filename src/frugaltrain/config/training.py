@@ -143,7 +143,8 @@ class RunSection(Section):
     the row renormalized, so Mix1 never waits on a straggler beyond this."""
     max_restarts: int = 3
     """Fault-tolerant runtime: how many times the launcher restarts one worker before it calls
-    the run failed (a worker that keeps dying is more likely a bug than a fault to ride out)."""
+    the run failed (a worker that keeps dying is more likely a bug than a fault to ride out).
+    `train --nodes` passes it to torchrun as --max-restarts (restarts of a machine's workers)."""
     deadline_factor: float = 4.0
     """Fault-tolerant runtime: a blocking wait fails after this multiple of the 90th percentile
     of the last rounds' wall times (a peer alive, its heartbeat beating, but stuck), at least
