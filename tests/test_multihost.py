@@ -7,6 +7,7 @@ tests/sim/test_sim_equality.py proves equal to locally spawned worker processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,7 +58,7 @@ def _node_agents(args: list[str], cwd: Path, tag: str, wrapper: bool) -> list[su
             cmd += [f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=is_host={node == 0}"]
             cmd += ["--max-restarts=1", "-m", "frugaltrain", "train", *args]
         log = open(cwd / f"{tag}_node{node}.log", "w")  # noqa: SIM115
-        # A session of its own: the finally below stops the agent and its workers together.
+        # A session of its own: the finally below can stop all the agent started.
         agents.append(
             subprocess.Popen(
                 cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -77,9 +78,14 @@ def _finish(agents: list[subprocess.Popen], cwd: Path, tag: str) -> list[str]:
 
 
 def _stop(agents: list[subprocess.Popen]) -> None:
+    """Kill what is left: each agent's workers (torchrun gives them sessions of their own), then
+    the agent's session."""
     for agent in agents:
         if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # each may end by itself meanwhile
+                for pid in _workers_of(agent):
+                    os.kill(pid, signal.SIGKILL)
+                os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
 
 
