@@ -3,6 +3,7 @@ workers: one in this process, N local processes (train/supervisor.py, plain or f
 or this process as one worker under torchrun.
 
     frugaltrain train --workers 4                    # 4 local processes, gloo on CPU
+    frugaltrain train --workers 2 --set run.shards=2 # 2 replicas of 2 processes (FSDP2 inside)
     torchrun --nnodes 2 --nproc-per-node 4 -m frugaltrain train --config my.toml
                                                      # across machines: torchrun sets RANK etc.
 """
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.comm import LocalComm
-from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import (
     FGD_PRESETS,
     OUTER_KEYS,
@@ -38,7 +38,7 @@ from frugaltrain.outer.streaming import StreamingDiLoCo
 from frugaltrain.train import checkpoint
 from frugaltrain.train.failures import failure_of, report_failure
 from frugaltrain.train.loop import train_worker
-from frugaltrain.train.supervisor import backend, run_local, worker_threads
+from frugaltrain.train.supervisor import backend, plain_comm, run_local, worker_threads
 
 
 def new_run_dir(cfg: Config) -> Path:
@@ -105,18 +105,28 @@ def check_model(cfg: Config) -> None:
     check_memory(cfg)
 
 
-def check_memory(cfg: Config) -> None:
-    """Refuse a run whose estimated memory (models.memory_estimate, per worker, times the
-    workers on this machine) exceeds the available RAM, or a GPU's free memory."""
+def memory_line(cfg: Config) -> str:
+    """The memory estimate per process, as printed at the start of a run."""
     est = memory_estimate(cfg)
-    per_worker = est["state_bytes"] + est["activation_bytes"]
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.workers))
-    fix = "use a smaller model (model.n_layer, model.n_embd), fewer workers (run.workers) or a "
-    fix += "smaller batch (data.batch_size, data.seq_len)"
-    parts = (
-        f"{est['params'] / 1e6:.1f}M parameters: {est['state_bytes'] / _GB:.2f} GB of weights and "
-        f"optimizer states, {est['activation_bytes'] / _GB:.2f} GB of activations per worker"
+    shards = f" / {cfg.run.shards} shards" if cfg.run.shards > 1 else ""
+    gathered = est["gathered_bytes"]
+    return (
+        f"{est['params'] / 1e6:.1f}M parameters{shards}: {est['state_bytes'] / _GB:.2f} GB of "
+        "weights, gradients and optimizer states"
+        + (f", {gathered / _GB:.2f} GB gathered by FSDP2" if gathered else "")
+        + f", {est['activation_bytes'] / _GB:.2f} GB of activations per process (estimated)"
     )
+
+
+def check_memory(cfg: Config) -> None:
+    """Refuse a run whose estimated memory (models.memory_estimate, per process, times the
+    processes on this machine) exceeds the available RAM, or a GPU's free memory."""
+    est = memory_estimate(cfg)
+    per_worker = est["state_bytes"] + est["gathered_bytes"] + est["activation_bytes"]
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.workers * cfg.run.shards))
+    fix = "use a smaller model (model.n_layer, model.n_embd), fewer workers (run.workers), more "
+    fix += "shards (run.shards) or a smaller batch (data.batch_size, data.seq_len)"
+    parts = memory_line(cfg)
     if cfg.run.device == "cuda" and torch.cuda.is_available():
         per_gpu = per_worker * -(-here // torch.cuda.device_count())
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
@@ -129,7 +139,7 @@ def check_memory(cfg: Config) -> None:
     need, available = here * (per_worker + _PROCESS_BYTES), _available_ram()
     if available is not None and need > available:
         raise ConfigError(
-            f"memory: estimated {need / _GB:.1f} GB for {here} workers on this machine ({parts}) "
+            f"memory: estimated {need / _GB:.1f} GB for {here} processes on this machine ({parts}) "
             f"but {available / _GB:.1f} GB of RAM is available; {fix}"
         )
 
@@ -179,10 +189,10 @@ def _join_torchrun(cfg: Config) -> None:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every machine"
         )
     dist.init_process_group(backend(cfg), timeout=timedelta(seconds=cfg.run.timeout_s))
-    if dist.get_world_size() != cfg.run.workers:
+    if dist.get_world_size() != cfg.run.workers * cfg.run.shards:
         raise ConfigError(
-            f"run.workers = {cfg.run.workers} but torchrun started "
-            f"{dist.get_world_size()} processes; make them equal"
+            f"run.workers = {cfg.run.workers} x run.shards = {cfg.run.shards} processes but "
+            f"torchrun started {dist.get_world_size()}; make them equal"
         )
 
 
@@ -190,12 +200,10 @@ _JOB_FILE = "torchrun_job"  # in a run directory: which torchrun agent started i
 
 
 def _torchrun_job() -> str:
-    """The torchrun agent this worker runs under, which is the same process across its restarts
-    of the workers (this process's parent): its host, process id and log directory (a random
-    name per agent: a process id alone comes back one day), and the rendezvous id."""
-    logs = os.environ.get("TORCHELASTIC_ERROR_FILE", "").split("/attempt_")[0]
+    """The torchrun job this worker belongs to: its agent (this process's parent, the same
+    process across its restarts of the workers) and the rendezvous id."""
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return f"{socket.gethostname()} pid {os.getppid()} logs {logs} rdzv-id {job}\n"
+    return f"{socket.gethostname()} pid {os.getppid()} rdzv-id {job}\n"
 
 
 def _restarted_run_dir(cfg: Config) -> Path | None:
@@ -245,19 +253,17 @@ def _agreed_checkpoint(run_dir: Path, mine: Path | None) -> Path | None:
 def run(cfg: Config, run_dir: Path, resume_from: Path | None = None) -> None:
     """Run all workers of `cfg` to completion on this machine (or this torchrun rank)."""
     if under_torchrun():
-        from frugaltrain.comm.torchdist import TorchDistComm
-
         owns_group = not dist.is_initialized()  # train_from_cli joins first; netlab workers don't
         if owns_group:
             _join_torchrun(cfg)
         try:
-            comm = TorchDistComm(deterministic=cfg.run.deterministic_comm, guard=guard_of(cfg.run))
-            train_worker(cfg, comm, run_dir, resume_from)
+            comm, shards = plain_comm(cfg, dist.get_rank())
+            train_worker(cfg, comm, run_dir, resume_from, shards)
         finally:
             if owns_group:
                 dist.destroy_process_group()
         return
-    if cfg.run.workers == 1:
+    if cfg.run.workers * cfg.run.shards == 1:
         torch.set_num_threads(worker_threads(cfg))
         try:
             train_worker(cfg, LocalComm(), run_dir, resume_from)
@@ -298,6 +304,8 @@ RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", 
 RESUME_MAY_CHANGE += ("threads", "timeout_s", "mix1_deadline_s", "progress")
 RESUME_MAY_CHANGE += ("deadline_factor", "deadline_floor_s", "max_restarts")
 RESUME_MAY_CHANGE += ("tensorboard", "wandb")
+# and how a replica is laid out: DCP reshards (docs/sharding.md)
+RESUME_MAY_CHANGE += ("shards", "activation_checkpointing")
 
 
 def _resumable(config_path: str | None, overrides: list[str], resume: str):
@@ -355,7 +363,9 @@ def train_from_cli(
         (run_dir / "config.toml").write_text(to_toml(cfg))
     if is_rank0:
         where = f", resuming from {ckpt.name}" if ckpt else ""
+        where += f", {cfg.run.shards} shards each" if cfg.run.shards > 1 else ""
         print(f"run dir: {run_dir} ({cfg.outer.strategy}, {cfg.run.workers} workers{where})")
+        print(f"memory: {memory_line(cfg)}")
     try:
         run(cfg, run_dir, ckpt)
     finally:

@@ -4,7 +4,9 @@ metrics and checkpoints at round ends.
 
 Every worker runs `train_worker` with the same config; worker 0 also writes metrics and shows
 progress. The communication runtime (`Comm`) is the only thing that differs between one process,
-torch.distributed workers and the fault-tolerant runtime.
+torch.distributed workers and the fault-tolerant runtime. With run.shards = S > 1 a worker is a
+replica of S processes that each run this loop on their shard (train/sharding.py): FSDP2 inside
+the replica, the outer strategy on the local shards, across replicas.
 
 Timing (all measured wall clock, per worker):
     compute_s  = time in forward, backward and the inner optimizer step
@@ -54,8 +56,20 @@ from frugaltrain.metrics.sinks import open_sinks
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
 from frugaltrain.outer import build_strategy
-from frugaltrain.train import checkpoint
+from frugaltrain.train import checkpoint, sharded_checkpoint
 from frugaltrain.train.round_log import RoundLog
+from frugaltrain.train.sharding import (
+    Averaged,
+    LocalShards,
+    Shards,
+    load_local_model,
+    replica_mean,
+    replica_sum,
+    rewrap_optimizer_state,
+    rows,
+    shard_model,
+    to_local,
+)
 
 
 @dataclass
@@ -71,13 +85,16 @@ class Worker:
     strategy: object
     sampler: BatchSampler
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    shards: Shards | None = None  # this process's place in its replica (run.shards > 1)
+    view: object = None  # what the strategy sees: the model, or its local shards
     step: int = 0  # inner steps done; also the data cursor (a batch is a function of the step)
     round: int = 0
     tokens: int = 0  # tokens the run trained so far, over the members of each round
 
     def state(self) -> dict:
-        """Everything a checkpoint (or a rejoining peer) needs to continue this worker."""
-        return {
+        """Everything a checkpoint (or a rejoining peer) needs to continue this worker; with
+        shards, this process's shards as plain tensors (what a rejoining replica's shard takes)."""
+        state = {
             "model": self.model.state_dict(),
             "inner": self.inner.state_dict(),
             "schedule": self.schedule.state_dict(),
@@ -88,13 +105,20 @@ class Worker:
             "round": self.round,
             "tokens": self.tokens,
         }
+        return to_local(state) if self.shards else state
 
-    def load(self, state: dict, own: bool = True) -> None:
+    def load(self, state: dict, own: bool = True, weights: bool = True) -> None:
         """Continue from `state`: this worker's checkpoint (`own`), or a live peer's state when
         rejoining, of which it takes neither the RNG (dropout stays its own) nor the data
-        position (its shard and seed are its own; the step says where it reads)."""
-        self.model.load_state_dict(state["model"])
-        self.inner.load_state_dict(state["inner"])
+        position (its shard and seed are its own; the step says where it reads). `weights`:
+        False when the model and inner optimizer are already loaded (a DCP checkpoint)."""
+        if weights and self.shards:
+            load_local_model(self.model, state["model"])
+            self.inner.load_state_dict(state["inner"])
+            rewrap_optimizer_state(self.inner)
+        elif weights:
+            self.model.load_state_dict(state["model"])
+            self.inner.load_state_dict(state["inner"])
         self.schedule.load_state_dict(state["schedule"])
         self.strategy.load_state_dict(state["outer"], own=own)
         self.step, self.round = state["step"], state["round"]
@@ -118,14 +142,22 @@ class WorkerResult:
     model: torch.nn.Module
 
 
-def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | None = None):
+def train_worker(
+    cfg: Config,
+    comm: Comm,
+    run_dir: Path,
+    resume_from: Path | None = None,
+    shards: Shards | None = None,
+):
     """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
-    WorkerResult. Call on every worker with the same config."""
+    WorkerResult. Call on every worker with the same config; with run.shards > 1 on every
+    process, with its `shards` and a `comm` over its shard group."""
     r = cfg.run
-    local_rank = int(os.environ.get("LOCAL_RANK", comm.rank))  # spawned locally: all on one host
-    device = worker_device(cfg, comm.rank)
+    rank = comm.rank * r.shards + (shards.index if shards else 0)  # this process's
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
+    device = worker_device(cfg, rank)
     meter, meter_counts = open_energy_meter(device, local_rank)
-    w = setup(cfg, comm, device, resume_from)
+    w = setup(cfg, comm, device, resume_from, shards)
     log = _round_log(cfg, w, run_dir, resumed=resume_from is not None)
 
     val_loss = None
@@ -151,7 +183,7 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
         own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
         own["feedback_norm"] = getattr(w.strategy, "feedback_norm", lambda: 0.0)()
         scalars += post_vector(comm.rank, comm.world_size, own, sent.blocking_by_op, log.ops)
-        if comm.rank == 0:
+        if comm.rank == 0 and not (shards and shards.index):
             record.update(comm.round_fields())
         # This round's rejections (and failures) are counted in its own record.
         log.events([{"round": w.round, **e} for e in comm.drain_events()])
@@ -170,9 +202,16 @@ def train_worker(cfg: Config, comm: Comm, run_dir: Path, resume_from: Path | Non
     return WorkerResult(step=w.step, round=w.round, val_loss=val_loss, model=w.model)
 
 
-def setup(cfg: Config, comm: Comm, device: torch.device, resume_from: Path | None) -> Worker:
-    """Data (this worker's shard, and validation batches shared by all), model, inner optimizer
-    and schedule, outer strategy; then a checkpoint's or a live peer's state, if there is one."""
+def setup(
+    cfg: Config,
+    comm: Comm,
+    device: torch.device,
+    resume_from: Path | None,
+    shards: Shards | None = None,
+) -> Worker:
+    """Data (this worker's shard, and validation batches shared by all), model (sharded over
+    the replica's processes with shards), inner optimizer and schedule, outer strategy; then a
+    checkpoint's or a live peer's state, if there is one."""
     r, d = cfg.run, cfg.data
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction, verify=False)  # the launcher did
     shard = shard_tokens(corpus.train, comm.rank, comm.world_size, d.num_shards, d.sharding)
@@ -182,15 +221,32 @@ def setup(cfg: Config, comm: Comm, device: torch.device, resume_from: Path | Non
 
     model = build_model(cfg).to(device)
     model.train()
+    shard_model(model, shards, r.activation_checkpointing)
     inner = build_inner_optimizer(model, cfg.optim)
     schedule = build_schedule(inner, cfg.optim, r.steps)
-    strategy = build_strategy(cfg, model, comm)
-    torch.manual_seed(worker_seed(r.seed, comm.rank))  # dropout differs per worker
+    view = LocalShards(model) if shards else model
+    strategy = build_strategy(cfg, view, comm)
+    # Dropout differs per process (for one shard per replica: per worker).
+    torch.manual_seed(worker_seed(r.seed, comm.rank * r.shards + (shards.index if shards else 0)))
     w = Worker(cfg, comm, device, model, inner, schedule, strategy, sampler, val_batches)
+    w.shards, w.view = shards, view
     if resume_from is not None:
-        w.load(checkpoint.load_worker(resume_from, comm.rank, cfg))
+        resume(w, resume_from)
     comm.rejoin(lambda state: w.load(state, own=False), w.state)  # a restarted worker only
     return w
+
+
+def resume(w: Worker, ckpt: Path) -> None:
+    """Load this worker's state from checkpoint `ckpt`, whatever run.shards wrote it: worker
+    files (cut to shards if this run has them) or a DCP checkpoint (resharded by DCP)."""
+    checkpoint.check_resumable(ckpt, w.cfg)
+    if checkpoint.is_sharded(ckpt):
+        w.load(sharded_checkpoint.load(w, ckpt, w.comm.rank), weights=False)
+        return
+    state = checkpoint.load_worker(ckpt, w.comm.rank, w.cfg)
+    if w.shards:
+        state = sharded_checkpoint.shard_worker_state(state, w)
+    w.load(state)
 
 
 def run_round(w: Worker, log: RoundLog) -> tuple[float, float, int, float]:
@@ -215,10 +271,14 @@ def inner_step(w: Worker, log: RoundLog) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     blocked0 = w.comm.stats.blocking_s
     w.strategy.before_step(w.step)
-    x, y = (t.to(w.device, non_blocking=True) for t in w.sampler.batch(w.step))
+    batch = w.sampler.batch(w.step)
+    if w.shards:
+        batch = tuple(rows(t, w.shards) for t in batch)
+    x, y = (t.to(w.device, non_blocking=True) for t in batch)
     with autocast(w.cfg, w.device):
         _, loss = w.model(x, y)
-    loss_value = loss.item()  # the step's one host sync (on a GPU: before backward starts)
+    # The step's one host sync (on a GPU: before backward starts).
+    loss_value = replica_mean(loss, w.shards) if w.shards else loss.item()
     if not math.isfinite(loss_value):
         log.write_steps()
         raise FloatingPointError(
@@ -270,17 +330,21 @@ def disagreement(w: Worker, val_loss: float) -> dict[str, float]:
     """How far apart the workers are (metrics.consensus): consensus distance in total and per
     group, logit JS on the first batch, the outer momentum spread, every worker's validation
     loss and the averaged model's. Through the comm's uncounted diagnostic reductions; call on
-    every worker at once."""
+    every worker at once. With shards, each shard group averages its shards, the sums of
+    squares are summed over the replica's shards, and the averaged model is the replica's own
+    sharded model holding the mean for a moment (Averaged)."""
     comm, model, batches = w.comm, w.model, w.val_batches
-    mean = comm.metric_mean_tensors(list(model.parameters()))
-    local = squared_distance(model, mean)
-    averaged = averaged_model(model, mean)
-    js = logit_js(model, averaged, batches[0][0])
+    params = list(w.view.parameters())
+    mean = comm.metric_mean_tensors(params)
+    local = squared_distance(w.view, mean)
     momenta = w.strategy.momenta() if hasattr(w.strategy, "momenta") else None
     m_spread = spread(momenta, comm.metric_mean_tensors(momenta)) if momenta else 0.0
+    sums = replica_sum([sum(local.values()), *local.values(), m_spread], w.shards)
+    averaged = Averaged(model, params, mean) if w.shards else averaged_model(model, mean)
+    js = logit_js(model, averaged, batches[0][0])
     n = len(comm.members)  # a mean over members: worker r's loss sits at position r, times n
     own = [val_loss * n if r == comm.rank else 0.0 for r in range(comm.world_size)]
-    values = comm.metric_mean([sum(local.values()), *local.values(), js, m_spread, *own])
+    values = comm.metric_mean([*sums[:5], js, sums[5], *own])
     out = {"consensus/total": values[0]}
     out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:5], strict=True)})
     out["disagreement/logit_js"] = values[5]
@@ -316,6 +380,9 @@ def save_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
     A worker that is down (fault-tolerant runtime) gets a stand-in: the state it would take on
     rejoining."""
     comm = w.comm
+    if w.shards:
+        save_sharded_checkpoint(w, run_dir, local_rank)
+        return
     checkpoint.save_worker(run_dir, w.round, comm.rank, w.state())
     writer = comm.writes_markers(local_rank)
     if writer:
@@ -326,8 +393,25 @@ def save_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
         checkpoint.mark_complete(run_dir, w.round, w.step, w.cfg)
 
 
+def save_sharded_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
+    """Each replica writes its DCP checkpoint (train/sharded_checkpoint.py); the lowest replica
+    present in every shard group also writes the absent ones' stand-ins (all its shards agree
+    on who that is through the replica's link); once all are written, one process per machine
+    marks the round COMPLETE."""
+    comm, d = w.comm, checkpoint.round_dir(run_dir, w.round)
+    sharded_checkpoint.save(w, d, comm.rank)
+    here = w.shards.link.count([r in comm.members for r in range(comm.world_size)])
+    present = [r for r in range(comm.world_size) if here[r]]
+    if comm.rank == present[0]:
+        for absent in sorted(set(range(comm.world_size)) - set(present)):
+            sharded_checkpoint.save(w, d, absent)
+    comm.barrier()
+    if comm.writes_markers(local_rank) and w.shards.index == 0:
+        checkpoint.mark_complete(run_dir, w.round, w.step, w.cfg)
+
+
 def _round_log(cfg: Config, w: Worker, run_dir: Path, resumed: bool) -> RoundLog:
-    is_main = w.comm.rank == 0
+    is_main = w.comm.rank == 0 and not (w.shards and w.shards.index)
     bar = None
     if is_main and cfg.run.progress:
         from tqdm import tqdm

@@ -1,16 +1,21 @@
 """Run N workers as local processes and watch them until the run ends.
 
 The supervisor hosts the run's TCPStore on a free port (so it outlives any worker) and spawns one
-process per worker. Each process builds its communication runtime and runs the worker loop:
+process per worker, or with run.shards = S a replica of S processes per worker (ranks
+replica * S + shard; train/sharding.py). Each process builds its communication runtime and runs
+the worker loop:
 
-    plain              TorchDistComm over a gloo (or NCCL) group on that store. A worker that
-                       fails stops the run: the others are stopped and the launcher says which.
-    fault tolerance    ElasticComm (comm/elastic.py). A worker that dies (SIGKILL, a crash, or
-                       exit code 75 after the others declared it dead) is started again with the
-                       same arguments and rejoins from a live peer; the others never restart. A
-                       worker still stopped when every live worker has finished is killed.
+    plain              TorchDistComm over a gloo (or NCCL) group on that store (with shards, over
+                       its shard group, FSDP2 over its replica group). A process that fails stops
+                       the run: the others are stopped and the launcher says which.
+    fault tolerance    ElasticComm (comm/elastic.py), one fault-tolerant world per shard index. A
+                       replica that loses a process (SIGKILL, a crash, or exit code 75 after the
+                       others declared it dead) is stopped whole and started again with the same
+                       arguments; it rejoins from a live peer replica, shard by shard; the other
+                       replicas never restart. A replica still stopped when every live one has
+                       finished is killed.
 
-Ctrl-C stops every worker it started.
+Ctrl-C stops every process it started.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from frugaltrain.comm import rendezvous
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
-from frugaltrain.train.loop import train_worker
+from frugaltrain.train.loop import train_worker, worker_device
+from frugaltrain.train.sharding import build_layout, shards_of
 
 
 def worker_threads(cfg: Config) -> int:
-    """torch threads per worker: run.threads, or the cores shared out (at least 1)."""
-    return cfg.run.threads or max(1, (os.cpu_count() or 1) // cfg.run.workers)
+    """torch threads per process: run.threads, or the cores shared out (at least 1)."""
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // (cfg.run.workers * cfg.run.shards))
 
 
 def backend(cfg: Config) -> str:
@@ -45,25 +51,27 @@ def backend(cfg: Config) -> str:
     return "nccl" if cfg.run.device == "cuda" else "gloo"
 
 
+def namespace(shard: int, shards: int) -> str:
+    """Store prefix of shard group `shard`'s fault-tolerant world ("" without shards)."""
+    return f"shard{shard}" if shards > 1 else ""
+
+
 def _store_timeout(cfg: Config) -> timedelta:
     return timedelta(seconds=max(60.0, cfg.run.timeout_s))
 
 
 def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host: str = "127.0.0.1"):
-    """Run cfg.run.workers worker processes on this machine until the run finishes. Returns the
-    number of restarts of each worker."""
+    """Run the cfg.run.workers x cfg.run.shards processes on this machine until the run
+    finishes. Returns the number of restarts of each worker (replica)."""
+    W, S = cfg.run.workers, cfg.run.shards
     store = dist.TCPStore(
-        host,
-        0,
-        cfg.run.workers,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=_store_timeout(cfg),
+        host, 0, W * S, is_master=True, wait_for_workers=False, timeout=_store_timeout(cfg)
     )
+    ft_store = dist.PrefixStore(namespace(0, S), store) if S > 1 else store  # shard group 0's
     ctx = mp.get_context("spawn")
     args = (to_toml(cfg), str(run_dir), host, store.port, str(resume_from) if resume_from else None)
     procs: dict[int, mp.Process] = {}
-    restarts = dict.fromkeys(range(cfg.run.workers), 0)
+    restarts = dict.fromkeys(range(W), 0)
     finished: set[int] = set()
 
     def start(rank: int) -> None:
@@ -71,23 +79,20 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
         procs[rank].start()
 
     try:
-        for rank in range(cfg.run.workers):
+        for rank in range(W * S):
             start(rank)
-        while len(finished) < cfg.run.workers:
+        while len(finished) < W * S:
             time.sleep(0.1)
-            for rank in _exited(procs, finished, store, cfg, run_dir):
-                if restarts[rank] >= cfg.run.max_restarts:
-                    failed = failure_of(run_dir, rank, procs[rank].exitcode)
-                    raise WorkerFailed(f"{failed} after {restarts[rank]} restarts")
-                restarts[rank] += 1
-                print(
-                    f"[launcher] worker {rank} exited with code {procs[rank].exitcode}; restarting "
-                    f"it (restart {restarts[rank]} of at most {cfg.run.max_restarts})",
-                    flush=True,
-                )
-                start(rank)
+            failed = _exited(procs, finished, ft_store, cfg, run_dir)
+            for replica in sorted({rank // S for rank in failed}):
+                if restarts[replica] >= cfg.run.max_restarts:
+                    rank = min(r for r in failed if r // S == replica)
+                    failure = failure_of(run_dir, rank, procs[rank].exitcode)
+                    raise WorkerFailed(f"{failure} after {restarts[replica]} restarts")
+                restarts[replica] += 1
+                _restart(replica, failed, procs, start, restarts[replica], cfg)
             if cfg.run.fault_tolerance:
-                _stop_stragglers_at_the_end(procs, finished, store, host, cfg.run.workers)
+                _stop_stragglers_at_the_end(procs, finished, store, host, cfg)
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -96,10 +101,31 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
     return restarts
 
 
+def _restart(replica: int, failed: list[int], procs: dict, start, count: int, cfg: Config) -> None:
+    """Start a worker again: with shards, its whole replica (the siblings of a failed process
+    are stopped first: a replica is trained by all its processes or by none)."""
+    S = cfg.run.shards
+    ranks = range(replica * S, (replica + 1) * S)
+    rank = min(r for r in failed if r // S == replica)
+    what = f"worker {rank}" if S == 1 else f"replica {replica} (process {rank})"
+    again = "it" if S == 1 else f"its {S} processes"
+    print(
+        f"[launcher] {what} exited with code {procs[rank].exitcode}; restarting {again} "
+        f"(restart {count} of at most {cfg.run.max_restarts})",
+        flush=True,
+    )
+    for r in ranks:
+        if procs[r].is_alive():
+            procs[r].kill()
+        procs[r].join()
+    for r in ranks:
+        start(r)
+
+
 def _exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -> list[int]:
-    """Workers that exited since the last look and must be restarted; the ones that finished
-    are added to `finished`. Without fault tolerance, or for bad input, a failed worker ends the
-    run (WorkerFailed)."""
+    """Processes that exited since the last look and must be restarted; the ones that finished
+    are added to `finished`. Without fault tolerance, or for bad input, a failed process ends
+    the run (WorkerFailed)."""
     failed = []
     for rank, p in list(procs.items()):
         if rank in finished or p.is_alive():
@@ -115,17 +141,22 @@ def _exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) 
     return failed
 
 
-def _stop_stragglers_at_the_end(procs, finished, store, host: str, workers: int) -> None:
-    """Once the last epoch's members have all finished, close the rendezvous (a restarted worker
-    still waiting to join exits) and stop any worker that never came back."""
-    final = _final_members(store, finished)
+def _stop_stragglers_at_the_end(procs, finished, store, host: str, cfg: Config) -> None:
+    """Once the last epoch's members have all finished, close the rendezvous (of every shard
+    group: a restarted process still waiting to join exits) and stop any worker that never
+    came back."""
+    W, S = cfg.run.workers, cfg.run.shards
+    done = {r for r in range(W) if all(r * S + s in finished for s in range(S))}
+    ft_store = dist.PrefixStore(namespace(0, S), store) if S > 1 else store
+    final = _final_members(ft_store, done)
     if final is None:
         return
-    rendezvous.close(host, store.port, workers)
+    for s in range(S):
+        rendezvous.close(host, store.port, W, namespace(s, S))
     _join_for(procs, finished, seconds=3.0)
     for rank, p in procs.items():
-        if rank not in finished and rank not in final and p.is_alive():
-            print(f"[launcher] worker {rank} never came back; stopping it", flush=True)
+        if rank not in finished and rank // S not in final and p.is_alive():
+            print(f"[launcher] worker {rank // S} never came back; stopping it", flush=True)
             p.kill()
             p.join()
             finished.add(rank)
@@ -141,13 +172,13 @@ def _join_for(procs: dict[int, mp.Process], finished: set[int], seconds: float) 
                 finished.add(rank)
 
 
-def _final_members(store: dist.TCPStore, finished: set[int]) -> set[int] | None:
+def _final_members(store: dist.Store, done: set[int]) -> set[int] | None:
     """The last epoch's members once all of them have finished; None while training goes on."""
-    for rank in finished:
+    for rank in done:
         key = f"ft/final_members/{rank}"
         if store.check([key]):
             final = set(json.loads(store.get(key)))
-            return final if final <= finished else None
+            return final if final <= done else None
     return None
 
 
@@ -166,45 +197,81 @@ def _worker(rank: int, cfg_toml: str, run_dir: str, host: str, port: int, resume
 
 
 def _plain_worker(cfg: Config, rank: int, store, run_dir: str, resume: str | None) -> None:
-    from frugaltrain.comm.torchdist import TorchDistComm
-
     timeout = timedelta(seconds=cfg.run.timeout_s)
-    world = cfg.run.workers
+    world = cfg.run.workers * cfg.run.shards
     dist.init_process_group(backend(cfg), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        comm = TorchDistComm(deterministic=cfg.run.deterministic_comm, guard=guard_of(cfg.run))
-        train_worker(cfg, comm, Path(run_dir), Path(resume) if resume else None)
+        comm, shards = plain_comm(cfg, rank)
+        train_worker(cfg, comm, Path(run_dir), Path(resume) if resume else None, shards)
     finally:
         dist.destroy_process_group()
 
 
-def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port: int, resume):
-    """A fault-tolerant worker: ElasticComm with this worker's injected faults; a restarted
-    worker (incarnation > 1) rejoins from a live peer instead of the checkpoint."""
-    from frugaltrain.comm.elastic import ElasticComm
-    from frugaltrain.faults import Injector, parse
+def plain_comm(cfg: Config, rank: int) -> tuple:
+    """(comm, shards) of process `rank` once the default group holds the run's processes: a
+    TorchDistComm over all of them, or with run.shards > 1 over its shard group, with its
+    place in its replica (train/sharding.py). Every process calls this."""
+    from frugaltrain.comm.torchdist import TorchDistComm
 
-    incarnation = store.add(f"ft/incarnation/{rank}", 1)
-    injector = Injector(parse(cfg.run.inject), rank, cfg.outer.H, incarnation == 1, cfg.run.seed)
+    kwargs = {"deterministic": cfg.run.deterministic_comm, "guard": guard_of(cfg.run)}
+    if cfg.run.shards == 1:
+        return TorchDistComm(**kwargs), None
+    worker_device(cfg, rank)  # a GPU is chosen before its groups are made
+    shards, group = build_layout(cfg.run.workers, cfg.run.shards, cfg.run.device)
+    return TorchDistComm(group, shard_link=shards.link, **kwargs), shards
+
+
+def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port: int, resume):
+    """A fault-tolerant process: ElasticComm with this worker's injected faults; a restarted
+    worker (incarnation > 1) rejoins from a live peer instead of the checkpoint. With shards,
+    process `rank` is shard s of replica r: its replica's processes form the default group
+    (FSDP2), fresh at every start of the replica, and its ElasticComm is shard group s's."""
+    from frugaltrain.comm.elastic import ElasticComm
+
+    S = cfg.run.shards
+    replica, shard = divmod(rank, S)
+    ns = namespace(shard, S)
+    ft_store = dist.PrefixStore(ns, store) if ns else store
+    incarnation = ft_store.add(f"ft/incarnation/{replica}", 1)
+    shards = None
+    if S > 1:
+        worker_device(cfg, rank)
+        own = dist.PrefixStore(f"replica{replica}/{incarnation}", store)
+        timeout = timedelta(seconds=cfg.run.timeout_s)
+        dist.init_process_group(backend(cfg), store=own, rank=shard, world_size=S, timeout=timeout)
+        shards = shards_of(dist.group.WORLD, cfg.run.device)
     comm = ElasticComm(
         store,
-        rank,
+        replica,
         cfg.run.workers,
         timeout_s=cfg.run.timeout_s,
         mix1_deadline_s=cfg.run.mix1_deadline_s,
         deadline_factor=cfg.run.deadline_factor,
         deadline_floor_s=cfg.run.deadline_floor_s,
-        injector=injector,
+        injector=_injector(cfg, replica, shard, incarnation),
         host=host,
         port=port,
         incarnation=incarnation,
         guard=guard_of(cfg.run),
+        namespace=ns,
+        shard_link=shards.link if shards else None,
     )
     resume_path = Path(resume) if resume and incarnation == 1 else None
-    train_worker(cfg, comm, Path(run_dir), resume_path)
+    train_worker(cfg, comm, Path(run_dir), resume_path, shards)
     comm.close()
     # Leave without running destructors: gloo groups of abandoned epochs may still hold threads
     # blocked on a dead peer, and tearing those down aborts the process.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _injector(cfg: Config, replica: int, shard: int, incarnation: int):
+    """The faults of worker `replica` that act in this process. A fault that stops a process
+    (kill, hang, partition, stall) acts on the replica's shard 0 only: its siblings go down
+    with it, as they would after any process of theirs died; the rest act on every shard."""
+    from frugaltrain.faults import Injector, parse
+
+    process_faults = ("kill", "hang", "partition", "stall")
+    faults = [f for f in parse(cfg.run.inject) if shard == 0 or f.kind not in process_faults]
+    return Injector(faults, replica, cfg.outer.H, incarnation == 1, cfg.run.seed)
