@@ -200,10 +200,12 @@ _JOB_FILE = "torchrun_job"  # in a run directory: which torchrun agent started i
 
 
 def _torchrun_job() -> str:
-    """The torchrun job this worker belongs to: its agent (this process's parent, the same
-    process across its restarts of the workers) and the rendezvous id."""
+    """The torchrun agent this worker runs under, which is the same process across its restarts
+    of the workers (this process's parent): its host, process id and log directory (a random
+    name per agent: a process id alone comes back one day), and the rendezvous id."""
+    logs = os.environ.get("TORCHELASTIC_ERROR_FILE", "").split("/attempt_")[0]
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return f"{socket.gethostname()} pid {os.getppid()} rdzv-id {job}\n"
+    return f"{socket.gethostname()} pid {os.getppid()} logs {logs} rdzv-id {job}\n"
 
 
 def _restarted_run_dir(cfg: Config) -> Path | None:
