@@ -41,3 +41,39 @@ def test_matching_beats_even_split_when_skewed() -> None:
 def test_budget_too_small_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="alloc.budget"):
         solve_milp({"encoder": {2: 1.0}, "backbone": {2: 1.0}}, 3)
+
+
+def test_even_split_keeps_the_divisibility_rule() -> None:
+    """Half of 10 is 5 backbone replicas, which do not divide a batch of 16: the nearest split
+    that does is taken, as the allocator's own options require."""
+    rho = {"encoder": {1: 10.0}, "backbone": {1: 10.0}}
+    plan = even_split(rho, 10, 16)
+    assert 16 % plan.backbone.replicas == 0
+    assert (plan.encoder.replicas, plan.backbone.replicas) == (6, 4)
+    assert (even_split(rho, 5).encoder.replicas, even_split(rho, 5).backbone.replicas) == (2, 3)
+
+
+def test_even_split_uses_the_profiled_thread_counts() -> None:
+    """A profile without a one-thread entry: replicas of the smallest profiled size."""
+    rho = {"encoder": {2: 30.0, 4: 50.0}, "backbone": {2: 20.0}}
+    plan = even_split(rho, 8, 16)
+    assert (plan.encoder.threads, plan.backbone.threads) == (2, 2)
+    assert plan.devices == 8 and plan.G == pytest.approx(min(2 * 30.0, 2 * 20.0))
+    with pytest.raises(ValueError, match="alloc.budget = 3"):
+        even_split(rho, 3)
+
+
+def test_plan_warns_when_more_threads_measured_slower(monkeypatch) -> None:
+    """A 2-thread replica slower than a 1-thread one (a busy machine): the plan's predictions
+    will not hold, and `flow plan` says so."""
+    from frugaltrain.flow import load_flow_config, plan
+
+    prof = {
+        "rho": {"encoder": {1: 100.0, 2: 40.0}, "backbone": {1: 80.0, 2: 150.0}},
+        "bins": [[10 + i, 20] for i in range(12)],
+        "bin_seconds": [0.01 + 1e-4 * i for i in range(12)],
+    }
+    monkeypatch.setattr(plan, "profile", lambda *a: prof)
+    with pytest.warns(UserWarning, match="encoder with 2 threads ran at 0.40x"):
+        out = plan.plan(load_flow_config(None, []))
+    assert len(out["warnings"]) == 1  # the backbone sped up: no warning for it

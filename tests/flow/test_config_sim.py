@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from frugaltrain.config import ConfigError
 from frugaltrain.flow import load_flow_config, run
@@ -29,9 +30,34 @@ KEYS = {
         "staleness",
         "timeout_s",
         "out_dir",
+        "device",
     ],
-    "data": ["global_batch", "max_tiles", "tile_weights", "patch"],
-    "model": ["enc_dim", "enc_layers", "enc_heads", "lm_dim", "lm_layers", "lm_heads"],
+    "data": [
+        "source",
+        "path",
+        "caption_field",
+        "tokenizer",
+        "global_batch",
+        "max_tiles",
+        "tile_weights",
+        "patch",
+        "image_sides",
+        "side_weights",
+        "max_shapes",
+    ],
+    "model": [
+        "encoder",
+        "backbone",
+        "encoder_pretrained",
+        "backbone_pretrained",
+        "enc_dim",
+        "enc_layers",
+        "enc_heads",
+        "lm_dim",
+        "lm_layers",
+        "lm_heads",
+        "lm_kv_heads",
+    ],
     "pool": ["slots", "max_tokens"],
     "sched": ["capacity", "policy", "dispatch", "cost"],
     "alloc": ["budget", "max_threads", "profile_steps"],
@@ -54,6 +80,12 @@ def test_key_set_is_pinned() -> None:
         (["run.staleness=1"], "run.train_encoder"),
         (["run.mode='warp'"], "run.mode"),
         (["data.tile_weights=[1.0]"], "data.max_tiles = 4"),
+        (["data.source='shapes'"], "model.encoder"),
+        (["model.encoder='vit'", "data.source='shapes'", "data.patch=5"], "data.image_sides"),
+        (["data.source='shapes'", "data.side_weights=[1.0]"], "data.side_weights"),
+        (["data.source='folder'"], "data.path"),
+        (["run.device='cuda'", "run.backend='dist'"], "run.device"),
+        (["model.lm_kv_heads=3"], "model.lm_kv_heads"),
     ],
 )
 def test_bad_values_name_the_key(sets, match) -> None:
@@ -64,6 +96,14 @@ def test_bad_values_name_the_key(sets, match) -> None:
 def test_too_few_slots_is_refused_before_any_work() -> None:
     with pytest.raises(ConfigError, match="pool.slots"):
         run(load_flow_config(None, ["run.mode='sync'", "pool.slots=2"]))
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_cuda_without_a_gpu_is_refused_before_any_work() -> None:
+    with pytest.raises(ConfigError, match="run.device = 'cuda'"):
+        run(load_flow_config(None, ["run.device='cuda'"]))
 
 
 def test_simulator_contracts() -> None:

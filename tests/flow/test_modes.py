@@ -127,3 +127,86 @@ def test_worker_failure_surfaces(backend: str, role: str) -> None:
             cfg("run.mode='flow'", f"run.backend='{backend}'", "run.train_encoder=true"),
             fault=(role, 1),
         )
+
+
+# The transformers modules: a ViT tower and a Llama backbone on generated scenes, small enough to
+# build in a second. The packed micro-batches hold samples of several image sides.
+TRANSFORMERS = [
+    "data.source='shapes'",
+    "data.patch=16",
+    "data.global_batch=6",
+    "run.steps=2",
+    "model.encoder='vit'",
+    "model.backbone='llama'",
+    "model.enc_dim=32",
+    "model.enc_layers=1",
+    "model.lm_dim=32",
+    "model.lm_layers=1",
+    "model.lm_kv_heads=2",
+    "sched.capacity=256",
+    "run.train_encoder=true",
+]
+
+
+@pytest.mark.timeout(120)
+def test_transformers_modules_flow_matches_monolithic() -> None:
+    """Trainable ViT + Llama through the pool: bitwise the lockstep run (float64, one thread)."""
+    ref = run(cfg("run.mode='monolithic'", *TRANSFORMERS))
+    got = run(cfg("run.mode='flow'", *TRANSFORMERS))
+    assert got.losses == ref.losses
+    assert_same(got.cons_state, ref.cons_state, exact=True)
+    assert_same(got.enc_state, ref.enc_state, exact=True)
+    assert "model.embeddings.cls_token" in ref.enc_state  # the transformers ViT
+
+
+@pytest.mark.timeout(120)
+def test_monolithic_data_parallel_matches_one_process() -> None:
+    """The fair baseline: 2 whole-model replicas, each on its rank's micro-batches, gradients
+    all-reduced, equal one process running both ranks' micro-batches (SGD: see the module
+    docstring; 1e-12 relative: the all-reduce re-associates the sums)."""
+    ref = monolithic(True, consumers=2, optimizer="sgd")  # the plan deals to 2 ranks
+    got = run(cfg("run.mode='monolithic_dp'", "run.train_encoder=true", "run.optimizer='sgd'"))
+    assert [t["role"] for t in got.traces] == ["replica0", "replica1"]
+    assert got.losses == pytest.approx(ref.losses, rel=1e-12)
+    assert_same(got.cons_state, ref.cons_state, exact=False)
+    assert_same(got.enc_state, ref.enc_state, exact=False)
+
+
+class _Unimportable(tuple):
+    """A fault hook the launcher can pickle but a spawned worker cannot rebuild, as with a
+    class defined in an interactive session: its module exists only in this process."""
+
+
+_Unimportable.__module__ = "module_only_in_the_launcher"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_cannot_rebuild_the_run_reports_its_traceback(monkeypatch) -> None:
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, _Unimportable.__module__, types.ModuleType("m"))
+    sys.modules[_Unimportable.__module__]._Unimportable = _Unimportable
+    fault = _Unimportable(("producer0", 99))
+    with pytest.raises(FlowWorkerError, match="No module named 'module_only_in_the_launcher'"):
+        run(cfg("run.mode='flow'"), fault=fault)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_crashes_leaves_its_stack_in_the_error() -> None:
+    """A crash in native code raises no Python exception: the launcher still reports the
+    signal and the Python stack the worker wrote to its log."""
+    with pytest.raises(FlowWorkerError, match="(?s)killed by SIGABRT.*Fatal Python error.*_inject"):
+        run(cfg("run.mode='flow'"), fault=("consumer0", 0, "crash"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+def test_flow_on_one_gpu_matches_monolithic_on_it() -> None:
+    """Encoder and backbone as two processes on one GPU, the pool in pinned host memory."""
+    sets = ["run.device='cuda'", "run.train_encoder=true"]
+    ref = run(cfg("run.mode='monolithic'", *sets))
+    got = run(cfg("run.mode='flow'", *sets))
+    assert got.losses == ref.losses
+    assert_same(got.cons_state, ref.cons_state, exact=True)
+    assert_same(got.enc_state, ref.enc_state, exact=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from frugaltrain.flow import load_flow_config
-from frugaltrain.flow.data import DigitCaptions, patches
+from frugaltrain.flow.data import DigitCaptions, build_dataset
 from frugaltrain.flow.models import build_models
 from frugaltrain.flow.packing import (
     dispatch,
@@ -69,16 +69,32 @@ def test_cost_fit_recovers_a_quadratic_model() -> None:
     assert paper_cost([80, 40], 160) == pytest.approx(120 / 160 + 80**2 / 160**2)
 
 
-def test_packed_equals_unpacked_loss_and_gradients() -> None:
+# The tiny modules, and the transformers ones (whose Llama builds the block-diagonal mask itself
+# from position ids that restart per sample).
+TINY = ["run.dtype='float64'"]
+HF = TINY + [
+    "data.source='shapes'",
+    "data.patch=16",
+    "model.encoder='vit'",
+    "model.backbone='llama'",
+    "model.enc_dim=32",
+    "model.lm_dim=32",
+    "model.lm_kv_heads=2",
+]
+
+
+@pytest.mark.parametrize("sets", [TINY, HF], ids=["tiny", "transformers"])
+def test_packed_equals_unpacked_loss_and_gradients(sets) -> None:
     """Block-diagonal mask + per-sample positions: packing is invisible to the maths (float64,
     allclose only because the packed attention sums over masked zeros in another order)."""
-    cfg = load_flow_config(None, ["run.dtype='float64'"])
-    ds = DigitCaptions.from_config(cfg)
-    enc, cons = build_models(cfg)
+    cfg = load_flow_config(None, sets)
+    ds = build_dataset(cfg)
+    enc, cons = build_models(cfg, ds)
     samples = ds.batch(0)[:5]
+    assert len({s.n_visual for s in samples}) > 1  # samples of several visual lengths
     texts = [torch.tensor(s.tokens) for s in samples]
     with torch.no_grad():
-        base = [enc(patches(s, cfg.data.patch, torch.float64)) for s in samples]
+        base = [enc(ds.encoder_input([s.sample_id], torch.float64))[0] for s in samples]
 
     def loss_and_grads(groups):
         cons.zero_grad(set_to_none=True)

@@ -174,12 +174,27 @@ def brute_force(rho: dict[str, dict[int, float]], budget: int, global_batch: int
     return min(pairs, key=lambda p: p.devices)
 
 
-def even_split(rho: dict[str, dict[int, float]], budget: int) -> Plan:
-    """The ablation: half the devices to each module, one thread per replica."""
-    n = budget // 2
+def even_split(rho: dict[str, dict[int, float]], budget: int, global_batch: int = 0) -> Plan:
+    """The ablation: as close to half the devices for each module as the rules allow, at each
+    module's smallest profiled threads per replica; like every allocator option, the backbone's
+    replica count divides the global batch (when given)."""
+    te, tb = min(rho["encoder"]), min(rho["backbone"])
+    splits = [
+        (n_b, (budget - n_b * tb) // te)
+        for n_b in range(1, budget // tb + 1)
+        if (budget - n_b * tb) // te >= 1 and not (global_batch and global_batch % n_b)
+    ]
+    if not splits:
+        raise ValueError(
+            f"alloc.budget = {budget}: no split gives each module a replica of its smallest "
+            f"profiled size ({te} + {tb} devices) with a backbone replica count dividing "
+            f"data.global_batch = {global_batch}; raise alloc.budget"
+        )
+    # nearest to half the budget; on a tie the backbone gets the extra device
+    n_b, n_e = min(splits, key=lambda s: (abs(2 * s[0] * tb - budget), -s[0]))
     return Plan(
-        Option("encoder", 1, n, n * rho["encoder"][1]),
-        Option("backbone", 1, budget - n, (budget - n) * rho["backbone"][1]),
+        Option("encoder", te, n_e, n_e * rho["encoder"][te]),
+        Option("backbone", tb, n_b, n_b * rho["backbone"][tb]),
         budget,
     )
 
@@ -189,40 +204,51 @@ def even_split(rho: dict[str, dict[int, float]], budget: int) -> Plan:
 
 def profile(cfg, max_threads: int, micro_batches: int) -> dict:
     """Warm-up profile in this process (measured): per-replica samples/s of each module at each
-    thread count, per-sample encoder times and per-micro-batch backbone times for cost fits."""
+    thread count, the encoder calls' and the backbone micro-batches' times for cost fits.
+
+    The encoder runs the calls the runtime would (one per visual shape per micro-batch of the
+    plan); data preparation (image processing) is left out, as in the runtime's compute spans.
+    """
     import torch
 
-    from frugaltrain.flow.data import DigitCaptions
-    from frugaltrain.flow.models import build_models
-    from frugaltrain.flow.packing import pack_bfd, pack_fifo
+    from frugaltrain.flow.data import build_dataset
+    from frugaltrain.flow.models import build_consumer, build_encoder
+    from frugaltrain.flow.packing import pack_bfd, pack_fifo, plan_batch
 
-    ds = DigitCaptions.from_config(cfg)
-    enc, cons = build_models(cfg)
+    ds = build_dataset(cfg)
+    enc, cons = build_encoder(cfg), build_consumer(cfg, ds)
     samples = [s for k in range(micro_batches) for s in ds.batch(10_000 + k)]  # unseen ids
     lengths = {s.sample_id: s.length for s in samples}
+    visual = {s.sample_id: s.n_visual for s in samples}
+    calls = [
+        sids
+        for k in range(micro_batches)
+        for sids, _ in plan_batch(
+            k,
+            {i: lengths[i] for i in ds.batch_ids(10_000 + k)},
+            L=cfg.sched.capacity,
+            ranks=1,
+            policy=cfg.sched.policy,
+            how=cfg.sched.dispatch,
+            visual=visual,
+        ).encoder_batches()
+    ]
     # Diverse micro-batches (BFD-full and FIFO-partial) so the cost fit sees a range of shapes.
     bins = pack_bfd(lengths, cfg.sched.capacity) + pack_fifo(lengths, cfg.sched.capacity)
     saved = torch.get_num_threads()
-    out = {
-        "rho": {"encoder": {}, "backbone": {}},
-        "enc_tokens": [],
-        "enc_seconds": [],
-        "bins": [],
-        "bin_seconds": [],
-        "threads": {},
-    }
+    out = {"rho": {"encoder": {}, "backbone": {}}, "threads": {}}
     try:
         for t in range(1, max_threads + 1):
             torch.set_num_threads(t)
-            enc_s = _time_encoder(cfg, enc, samples)
-            out["rho"]["encoder"][t] = len(enc_s) / sum(enc_s)
+            enc_s = _time_encoder(cfg, enc, ds, calls)
+            out["rho"]["encoder"][t] = len(samples) / sum(enc_s)
             bin_s = _time_backbone(cfg, cons, ds, bins)
             # BFD and FIFO bins each hold every sample once, so this counts each sample twice
             # over twice the time: the rate is still samples per second of backbone work.
             out["rho"]["backbone"][t] = sum(len(b) for b in bins) / sum(bin_s)
             if t == 1:  # the cost fits use the one-thread times
-                out["enc_tokens"] = [s.n_visual for s in samples]
-                out["enc_seconds"] = enc_s
+                out["enc_calls"] = [[visual[i] for i in c] for c in calls]
+                out["enc_call_seconds"] = enc_s
                 out["bins"] = [[lengths[i] for i in b] for b in bins]
                 out["bin_seconds"] = bin_s
     finally:
@@ -230,18 +256,16 @@ def profile(cfg, max_threads: int, micro_batches: int) -> dict:
     return out
 
 
-def _time_encoder(cfg, enc, samples: list) -> list[float]:
-    """Seconds of each sample's encoder forward (+ backward when trainable), measured on the
+def _time_encoder(cfg, enc, ds, calls: list[list[int]]) -> list[float]:
+    """Seconds of each encoder call's forward (+ backward when trainable), measured on the
     second of two passes: the first warms up the allocator's caches."""
     import torch
 
-    from frugaltrain.flow.data import patches
-
     dtype, train = getattr(torch, cfg.run.dtype), cfg.run.train_encoder
+    inputs = [ds.encoder_input(c, dtype) for c in calls]
     for _ in range(2):
         seconds = []
-        for s in samples:
-            x = patches(s, cfg.data.patch, dtype)
+        for x in inputs:
             t0 = time.perf_counter()
             with torch.set_grad_enabled(train):
                 y = enc(x)
@@ -256,12 +280,16 @@ def _time_backbone(cfg, cons, ds, bins: list[list[int]]) -> list[float]:
     on the second of two passes."""
     import torch
 
-    dtype, train = getattr(torch, cfg.run.dtype), cfg.run.train_encoder
+    from frugaltrain.flow.models import encoder_width
+
+    dtype, train, width = getattr(torch, cfg.run.dtype), cfg.run.train_encoder, encoder_width(cfg)
     for _ in range(2):
         seconds = []
         for b in bins:
-            shapes = [(ds.sample(i).n_visual, cfg.model.enc_dim) for i in b]
-            embs = [torch.randn(*sh, dtype=dtype).requires_grad_(train) for sh in shapes]
+            embs = [
+                torch.randn(ds.sample(i).n_visual, width, dtype=dtype).requires_grad_(train)
+                for i in b
+            ]
             texts = [torch.tensor(ds.sample(i).tokens) for i in b]
             t0 = time.perf_counter()
             cons.loss_sum(embs, texts).backward()

@@ -14,16 +14,21 @@ from pathlib import Path
 
 from frugaltrain.config import Section, load, require
 
-MODES = ("monolithic", "sync", "flow")
+MODES = ("monolithic", "monolithic_dp", "sync", "flow")
 BACKENDS = ("shm", "dist")
+SOURCES = ("digits", "shapes", "folder")
+ENCODERS = ("tiny", "vit", "siglip")
+BACKBONES = ("tiny", "llama")
 
 
 @dataclass(kw_only=True)
 class FlowRun(Section):
     section = "run"
     mode: str = "flow"
-    """Execution mode: monolithic (lockstep, one process), sync (batch-synchronized
-    disaggregated, DistTrain-like) or flow (producer runs ahead, bounded by the pool)."""
+    """Execution mode: monolithic (lockstep, one process), monolithic_dp (lockstep data
+    parallelism over run.producers + run.consumers processes: the flow run's process count),
+    sync (batch-synchronized disaggregated, DistTrain-like) or flow (producer runs ahead,
+    bounded by the pool)."""
     backend: str = "shm"
     """Pool backend for sync/flow: shm (shared memory, one host) or dist (torch.distributed p2p)."""
     producers: int = 1
@@ -31,7 +36,7 @@ class FlowRun(Section):
     consumers: int = 1
     """Backbone (consumer) worker processes; each is one backbone data-parallel replica."""
     threads: int = 1
-    """torch threads per worker process in sync/flow mode (count)."""
+    """torch threads per worker process in monolithic_dp, sync and flow modes (count)."""
     mono_threads: int = 2
     """torch threads of the single monolithic process (count); same total cores as 1+1 workers."""
     steps: int = 6
@@ -57,10 +62,20 @@ class FlowRun(Section):
     """Timeout of every blocking pool call and collective (seconds)."""
     out_dir: str = "runs/flow"
     """Directory for traces, metrics JSON and the timeline PNG."""
+    device: str = "cpu"
+    """cpu or cuda. With cuda every worker runs on the one visible GPU (cuda:0) and the shm
+    pool's slabs are pinned host memory, so embeddings and gradients move by DMA."""
 
     def check(self) -> None:
         self.one_of("mode", MODES)
         self.one_of("backend", BACKENDS)
+        self.one_of("device", ("cpu", "cuda"))
+        self.require(
+            self.device == "cpu" or self.backend == "shm" or self.mode.startswith("monolithic"),
+            "device",
+            "the dist pool sends over gloo, which has no CUDA point-to-point; use "
+            "run.backend = 'shm' with run.device = 'cuda'",
+        )
         for name in ("producers", "consumers", "threads", "mono_threads", "steps"):
             self.at_least(name, 1)
         self.require(
@@ -91,18 +106,46 @@ class FlowRun(Section):
 @dataclass(kw_only=True)
 class FlowData(Section):
     section = "data"
+    source: str = "digits"
+    """digits (scikit-learn's 8x8 digits, tiled; for the tiny encoder), shapes (procedural
+    scenes of coloured shapes at variable resolution, captioned from the scene) or folder
+    (data.path: images and a metadata.jsonl of captions, read with datasets' imagefolder)."""
+    path: str = ""
+    """source = folder: a directory of images with a metadata.jsonl holding one
+    {"file_name": ..., data.caption_field: ...} line per image."""
+    caption_field: str = "text"
+    """source = folder: the metadata.jsonl column that holds the caption."""
+    tokenizer: str = ""
+    """shapes and folder: a tokenizer directory in the transformers format (e.g. made by
+    `frugaltrain data tokenizer`); empty for byte-level tokens (256 ids, nothing to train)."""
     global_batch: int = 16
     """Samples per global batch (per optimizer step)."""
     max_tiles: int = 4
-    """Most digit images tiled into one sample (visual tokens = tiles * (8/patch)^2)."""
+    """digits: most digit images tiled into one sample (visual tokens = tiles * (8/patch)^2)."""
     tile_weights: tuple[float, ...] = (0.45, 0.25, 0.18, 0.12)
-    """Relative frequency of 1, 2, ... max_tiles tiles (a skewed mix, like dynamic resolution)."""
+    """digits: relative frequency of 1, 2, ... max_tiles tiles (a skewed mix, like dynamic
+    resolution)."""
     patch: int = 2
-    """Patch side in pixels (2 or 4; digits are 8x8)."""
+    """Patch side in pixels: digits 1, 2, 4 or 8 (the tiles are 8x8); for the transformers
+    vision towers their patch_size (e.g. 16), which every entry of data.image_sides must be a
+    multiple of."""
+    image_sides: tuple[int, ...] = (32, 48, 64, 96)
+    """shapes and folder: the square sides (pixels) an image may have. A shapes scene is drawn
+    at one of them; a folder image is resized to the one nearest its longer edge. Visual tokens
+    per image are (side / patch)^2 (+1 for ViT's CLS token), so they vary per image."""
+    side_weights: tuple[float, ...] = (0.4, 0.3, 0.2, 0.1)
+    """shapes: relative frequency of each entry of data.image_sides (one weight per side)."""
+    max_shapes: int = 4
+    """shapes: most shapes in one scene (1..9; each on its own cell of a 3x3 grid)."""
 
     def check(self) -> None:
         self.at_least("global_batch", 1)
-        self.one_of("patch", (1, 2, 4, 8))
+        self.one_of("source", SOURCES)
+        self.at_least("patch", 1)
+        if self.source == "digits":
+            self.one_of("patch", (1, 2, 4, 8))
+        else:
+            self._check_images()
         self.require(1 <= self.max_tiles <= 8, "max_tiles", "must be in 1..8")
         self.require(
             len(self.tile_weights) == self.max_tiles,
@@ -115,10 +158,45 @@ class FlowData(Section):
             "must be non-negative with a positive sum",
         )
 
+    def _check_images(self) -> None:
+        self.require(
+            len(self.image_sides) > 0 and all(s % self.patch == 0 for s in self.image_sides),
+            "image_sides",
+            f"needs at least one side, each a multiple of data.patch = {self.patch}",
+        )
+        self.require(
+            len(self.side_weights) == len(self.image_sides),
+            "side_weights",
+            f"needs one weight per entry of data.image_sides ({len(self.image_sides)} values)",
+        )
+        self.require(
+            all(w >= 0 for w in self.side_weights) and sum(self.side_weights) > 0,
+            "side_weights",
+            "must be non-negative with a positive sum",
+        )
+        self.require(1 <= self.max_shapes <= 9, "max_shapes", "must be in 1..9 (a 3x3 grid)")
+        self.require(
+            self.source != "folder" or bool(self.path),
+            "path",
+            "data.source = 'folder' needs a directory of images with a metadata.jsonl",
+        )
+
 
 @dataclass(kw_only=True)
 class FlowModel(Section):
     section = "model"
+    encoder: str = "tiny"
+    """The producer: tiny (the built-in TinyViT; data.source = digits), vit (transformers
+    ViTModel) or siglip (transformers SiglipVisionModel); the last two take images of any
+    side in data.image_sides (interpolated position embeddings)."""
+    backbone: str = "tiny"
+    """The consumer's language model: tiny (built-in) or llama (transformers
+    LlamaForCausalLM), behind a 2-layer projector either way."""
+    encoder_pretrained: str = ""
+    """vit or siglip: a local directory (config.json + weights) to load instead of a random
+    init from the size keys; nothing is downloaded."""
+    backbone_pretrained: str = ""
+    """llama: a local directory (config.json + weights) to load instead of a random init."""
     enc_dim: int = 64
     """Encoder width d_v."""
     enc_layers: int = 2
@@ -131,8 +209,18 @@ class FlowModel(Section):
     """Backbone transformer blocks."""
     lm_heads: int = 4
     """Backbone attention heads (must divide lm_dim)."""
+    lm_kv_heads: int = 0
+    """llama: key-value heads (grouped-query attention; must divide lm_heads); 0 = lm_heads."""
 
     def check(self) -> None:
+        self.one_of("encoder", ENCODERS)
+        self.one_of("backbone", BACKBONES)
+        self.at_least("lm_kv_heads", 0)
+        self.require(
+            self.lm_kv_heads == 0 or self.lm_heads % self.lm_kv_heads == 0,
+            "lm_kv_heads",
+            f"must divide model.lm_heads = {self.lm_heads}",
+        )
         for module in ("enc", "lm"):
             dim, heads = getattr(self, f"{module}_dim"), getattr(self, f"{module}_heads")
             self.at_least(f"{module}_heads", 1)
@@ -148,7 +236,8 @@ class FlowPool(Section):
     """Slots per producer segment (samples). Bounds the producer's run-ahead; sync mode needs a
     whole global batch's share, flow only one wave of micro-batches (checked before a run)."""
     max_tokens: int = 0
-    """Visual tokens per slot (0: the largest sample's, max_tiles * (8/patch)^2)."""
+    """Visual tokens per slot (0: the largest sample's: max_tiles * (8/patch)^2 for digits,
+    the largest image side's for shapes and folder)."""
 
     def check(self) -> None:
         self.at_least("slots", 1)
@@ -200,21 +289,39 @@ class FlowConfig:
     alloc: FlowAlloc = field(default_factory=FlowAlloc)
 
     def __post_init__(self) -> None:
-        visual = self.data.max_tiles * self.tokens_per_tile
+        tiny = self.model.encoder == "tiny"
         require(
-            self.pool.max_tokens == 0 or self.pool.max_tokens >= visual,
+            tiny == (self.data.source == "digits"),
+            "model.encoder",
+            self.model.encoder,
+            "the tiny encoder reads digits tiles and the transformers towers read images: use "
+            "model.encoder = 'tiny' with data.source = 'digits', or 'vit'/'siglip' with "
+            "'shapes'/'folder'",
+        )
+        require(
+            self.pool.max_tokens == 0 or self.pool.max_tokens >= self.max_visual_tokens,
             "pool.max_tokens",
             self.pool.max_tokens,
-            f"must be 0 or >= the largest sample's visual tokens ({visual})",
+            f"must be 0 or >= the largest sample's visual tokens ({self.max_visual_tokens})",
         )
 
     @property
     def tokens_per_tile(self) -> int:
         return (8 // self.data.patch) ** 2
 
+    def visual_tokens(self, side: int) -> int:
+        """Encoder output tokens of one square image: its patches, plus ViT's CLS token."""
+        return (side // self.data.patch) ** 2 + (self.model.encoder == "vit")
+
+    @property
+    def max_visual_tokens(self) -> int:
+        if self.data.source == "digits":
+            return self.data.max_tiles * self.tokens_per_tile
+        return self.visual_tokens(max(self.data.image_sides))
+
     @property
     def slot_tokens(self) -> int:
-        return self.pool.max_tokens or self.data.max_tiles * self.tokens_per_tile
+        return self.pool.max_tokens or self.max_visual_tokens
 
 
 def load_flow_config(

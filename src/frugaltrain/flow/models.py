@@ -1,7 +1,11 @@
-"""Tiny ViT encoder (producer) and tiny causal LM backbone with a projector (consumer).
+"""The producer and the consumer: built-in tiny modules, or transformers ones (flow/hf.py).
 
-Legend: N visual tokens of one sample, T packed tokens of one micro-batch, P = patch*patch,
-Dv encoder width, D backbone width, V vocabulary.
+Tiny ViT encoder (producer) and tiny causal LM backbone with a projector (consumer), the fast
+path of the tests; `build_encoder` / `build_consumer` pick them or the transformers modules by
+model.encoder and model.backbone.
+
+Legend: B samples of one encoder call, N visual tokens of one sample, T packed tokens of one
+micro-batch, P = patch*patch, Dv encoder width, D backbone width, V vocabulary.
 
 Packed micro-batches are one row of concatenated samples [visual | text] with a block-diagonal
 causal mask and positions restarting per sample, so a packed micro-batch computes exactly what
@@ -37,7 +41,7 @@ class Block(nn.Module):
 
 
 class TinyViT(nn.Module):
-    """Producer: patches of one sample [N, P] -> visual embeddings [N, Dv] (full attention)."""
+    """Producer: patches of samples with one tile count [B, N, P] -> embeddings [B, N, Dv]."""
 
     def __init__(
         self,
@@ -57,13 +61,33 @@ class TinyViT(nn.Module):
         self.ln = nn.LayerNorm(dim)
         self.tokens_per_tile = tokens_per_tile
 
-    def forward(self, patches_NP: torch.Tensor) -> torch.Tensor:
-        n_tiles = patches_NP.shape[0] // self.tokens_per_tile
+    def forward(self, patches_BNP: torch.Tensor) -> torch.Tensor:
+        n_tiles = patches_BNP.shape[1] // self.tokens_per_tile
         pos_ND = (self.tile[:n_tiles, None, :] + self.pos[None]).reshape(-1, self.pos.shape[1])
-        x = (self.embed(patches_NP) + pos_ND)[None]
+        x = self.embed(patches_BNP) + pos_ND
         for b in self.blocks:
             x = b(x, None)
-        return self.ln(x)[0]
+        return self.ln(x)
+
+
+def pack_samples(
+    embs: list[torch.Tensor], texts: list[torch.Tensor], project: nn.Module, embed: nn.Module
+) -> tuple[torch.Tensor, ...]:
+    """Samples concatenated, in order, into one sequence [visual | text | visual | text ...]:
+    inputs x_TD, positions pos_T (restarting at 0 per sample), segment ids seg_T and targets
+    tgt_T (position n_visual + j predicts text token j + 1; everything else is -100)."""
+    dev = embs[0].device
+    parts, seg, pos, targets = [], [], [], []
+    for i, (e_ND, t) in enumerate(zip(embs, texts, strict=True)):
+        t = t.to(dev)
+        n = e_ND.shape[0] + t.shape[0]
+        parts += [project(e_ND), embed(t)]
+        seg.append(torch.full((n,), i, device=dev))
+        pos.append(torch.arange(n, device=dev))
+        tgt = torch.full((n,), -100, dtype=torch.long, device=dev)
+        tgt[e_ND.shape[0] : n - 1] = t[1:]
+        targets.append(tgt)
+    return torch.cat(parts), torch.cat(pos), torch.cat(seg), torch.cat(targets)
 
 
 class Consumer(nn.Module):
@@ -73,7 +97,7 @@ class Consumer(nn.Module):
         self, *, enc_dim: int, dim: int, layers: int, heads: int, vocab: int, max_len: int
     ) -> None:
         super().__init__()
-        self.projector = nn.Sequential(nn.Linear(enc_dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.projector = projector(enc_dim, dim)
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(0.02 * torch.randn(max_len, dim))
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
@@ -82,52 +106,77 @@ class Consumer(nn.Module):
 
     def loss_sum(self, embs: list[torch.Tensor], texts: list[torch.Tensor]) -> torch.Tensor:
         """Sum of caption cross-entropies of the samples packed, in order, into one sequence."""
-        parts, seg, pos, targets = [], [], [], []
-        for i, (e_ND, t) in enumerate(zip(embs, texts, strict=True)):
-            n = e_ND.shape[0] + t.shape[0]
-            parts += [self.projector(e_ND), self.tok(t)]
-            seg.append(torch.full((n,), i))
-            pos.append(torch.arange(n))
-            # Position n_visual + j predicts text token j + 1; everything else is ignored.
-            tgt = torch.full((n,), -100, dtype=torch.long)
-            tgt[e_ND.shape[0] : n - 1] = t[1:]
-            targets.append(tgt)
-        seg_T, pos_T = torch.cat(seg), torch.cat(pos)
-        x = (torch.cat(parts) + self.pos[pos_T])[None]
+        x_TD, pos_T, seg_T, tgt_T = pack_samples(embs, texts, self.projector, self.tok)
+        x = (x_TD + self.pos[pos_T])[None]
         T = seg_T.shape[0]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         mask_TT = causal & (seg_T[:, None] == seg_T[None, :])  # block-diagonal: no leakage
         for b in self.blocks:
             x = b(x, mask_TT)
         logits_TV = self.head(self.ln(x))[0]
-        return F.cross_entropy(logits_TV, torch.cat(targets), reduction="sum")
+        return F.cross_entropy(logits_TV, tgt_T, reduction="sum")
 
 
-def build_models(cfg) -> tuple[TinyViT, Consumer]:
-    """Both modules from the run seed, so every process builds bitwise-identical weights."""
-    from frugaltrain.flow.data import max_text_tokens, vocab
+def projector(enc_dim: int, dim: int) -> nn.Module:
+    """The 2-layer MLP from the encoder's width to the backbone's (on the consumer's side, so it
+    trains with a frozen encoder too)."""
+    return nn.Sequential(nn.Linear(enc_dim, dim), nn.GELU(), nn.Linear(dim, dim))
 
-    dtype = getattr(torch, cfg.run.dtype)
+
+def build_encoder(cfg) -> nn.Module:
+    """The producer from the run seed (every process builds bitwise-identical weights)."""
     m, d = cfg.model, cfg.data
     torch.manual_seed(cfg.run.seed)
-    enc = TinyViT(
-        patch_dim=d.patch**2,
-        dim=m.enc_dim,
-        layers=m.enc_layers,
-        heads=m.enc_heads,
-        tokens_per_tile=cfg.tokens_per_tile,
-        max_tiles=d.max_tiles,
-    )
+    if m.encoder == "tiny":
+        enc = TinyViT(
+            patch_dim=d.patch**2,
+            dim=m.enc_dim,
+            layers=m.enc_layers,
+            heads=m.enc_heads,
+            tokens_per_tile=cfg.tokens_per_tile,
+            max_tiles=d.max_tiles,
+        )
+    else:
+        from frugaltrain.flow.hf import vision_tower
+
+        enc = vision_tower(cfg)
+    return enc.to(getattr(torch, cfg.run.dtype))
+
+
+def build_consumer(cfg, ds) -> nn.Module:
+    """Projector + backbone from the run seed; `ds` (a CaptionSet) sizes the vocabulary and,
+    for the tiny backbone, the position table."""
+    m = cfg.model
     torch.manual_seed(cfg.run.seed + 1)
-    cons = Consumer(
-        enc_dim=m.enc_dim,
-        dim=m.lm_dim,
-        layers=m.lm_layers,
-        heads=m.lm_heads,
-        vocab=len(vocab()),
-        max_len=cfg.slot_tokens + max_text_tokens(),
-    )
-    return enc.to(dtype), cons.to(dtype)
+    if m.backbone == "tiny":
+        cons = Consumer(
+            enc_dim=encoder_width(cfg),
+            dim=m.lm_dim,
+            layers=m.lm_layers,
+            heads=m.lm_heads,
+            vocab=ds.vocab_size,
+            max_len=cfg.slot_tokens + ds.max_text_tokens,
+        )
+    else:
+        from frugaltrain.flow.hf import llama_consumer
+
+        cons = llama_consumer(cfg, ds, encoder_width(cfg))
+    return cons.to(getattr(torch, cfg.run.dtype))
+
+
+def build_models(cfg, ds) -> tuple[nn.Module, nn.Module]:
+    """Both modules (see build_encoder and build_consumer)."""
+    return build_encoder(cfg), build_consumer(cfg, ds)
+
+
+def encoder_width(cfg) -> int:
+    """d_v: model.enc_dim, or the hidden size of a pretrained tower (read, not loaded)."""
+    if cfg.model.encoder_pretrained:
+        from frugaltrain.flow.hf import pretrained_config
+
+        config = pretrained_config(cfg.model.encoder_pretrained, "model.encoder_pretrained")
+        return int(config["hidden_size"])
+    return cfg.model.enc_dim
 
 
 def flops_per_token(module: nn.Module) -> int:

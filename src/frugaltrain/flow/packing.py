@@ -13,7 +13,8 @@ normalised by its target count, so the plan changes the schedule, never the resu
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -191,33 +192,90 @@ def dispatch(costs: list[float], ranks: int, how: str) -> list[list[int]]:
 
 @dataclass
 class BatchPlan:
-    """One global batch's schedule: rank_bins[r][j] = sample ids of rank r's j-th micro-batch."""
+    """One global batch's schedule: rank_bins[r][j] = sample ids of rank r's j-th micro-batch.
+
+    The encoder runs on batches the plan sizes: each micro-batch's samples of one visual shape
+    (equal n_visual) form one encoder call, and calls are dealt to producers round robin.
+    """
 
     step: int
     rank_bins: list[list[list[int]]]
     costs: list[list[float]]
+    visual: dict[int, int] = field(default_factory=dict)
+    """sample id -> visual tokens; empty: every sample is an encoder call of its own."""
+
+    def _waves(self) -> Iterator[tuple[int, int, list[int]]]:
+        """(wave j, rank r, micro-batch): micro-batch j of every rank before micro-batch j+1."""
+        for j in range(max(len(b) for b in self.rank_bins)):
+            for r, bins in enumerate(self.rank_bins):
+                if j < len(bins):
+                    yield j, r, bins[j]
 
     def consume_order(self) -> list[tuple[int, int]]:
         """(sample_id, rank) in the order the backbone ranks will need them (micro-batch j of
         every rank before micro-batch j+1); producers emit in this order."""
-        out = []
-        for j in range(max(len(b) for b in self.rank_bins)):
-            for r, bins in enumerate(self.rank_bins):
-                if j < len(bins):
-                    out += [(sid, r) for sid in bins[j]]
-        return out
+        return [(sid, r) for _, r, b in self._waves() for sid in b]
 
-    def producer_of(self, sample_id: int, producers: int) -> int:
-        """Encoder replica that encodes a sample: round robin over the consume order."""
-        order = [s for s, _ in self.consume_order()]
-        return order.index(sample_id) % producers
+    def _calls(self) -> Iterator[tuple[int, int, list[int]]]:
+        """(wave, rank, sample ids) of every encoder call, in consume order."""
+        for j, r, b in self._waves():
+            if not self.visual:
+                yield from ((j, r, [sid]) for sid in b)
+                continue
+            run = [b[0]]
+            for sid in b[1:]:  # the bin is ordered so that each shape's samples are contiguous
+                if self.visual[sid] != self.visual[run[0]]:
+                    yield j, r, run
+                    run = []
+                run.append(sid)
+            yield j, r, run
+
+    def encoder_batches(self) -> list[tuple[list[int], int]]:
+        """(sample ids, destination rank) of every encoder call in consume order; producer p
+        runs calls p, p + P, p + 2P, ..."""
+        return [(sids, r) for _, r, sids in self._calls()]
+
+    def owners(self, producers: int) -> dict[int, int]:
+        """sample id -> the producer that encodes it."""
+        return {
+            sid: b % producers for b, (sids, _) in enumerate(self.encoder_batches()) for sid in sids
+        }
+
+    def wave_shares(self, producers: int) -> list[list[int]]:
+        """Samples each producer encodes for each wave: [wave][producer]."""
+        shares: list[list[int]] = []
+        for b, (j, _, sids) in enumerate(self._calls()):
+            while len(shares) <= j:
+                shares.append([0] * producers)
+            shares[j][b % producers] += len(sids)
+        return shares
+
+
+def _by_shape(b: list[int], visual: dict[int, int]) -> list[int]:
+    """A micro-batch's samples with each visual shape's samples together (shapes in order of
+    first appearance, samples in packing order within a shape)."""
+    first: dict[int, int] = {}
+    for i, sid in enumerate(b):
+        first.setdefault(visual[sid], i)
+    return sorted(b, key=lambda sid: first[visual[sid]])
 
 
 def plan_batch(
-    step: int, lengths: dict[int, int], *, L: int, ranks: int, policy: str, how: str, cost=None
+    step: int,
+    lengths: dict[int, int],
+    *,
+    L: int,
+    ranks: int,
+    policy: str,
+    how: str,
+    cost=None,
+    visual: dict[int, int] | None = None,
 ) -> BatchPlan:
-    """Pack one global batch and deal its micro-batches to `ranks` backbone replicas."""
+    """Pack one global batch and deal its micro-batches to `ranks` backbone replicas; with
+    `visual` (sample id -> visual tokens) the encoder batches by shape within a micro-batch."""
     bins = pack_bfd(lengths, L) if policy == "bfd" else pack_fifo(lengths, L)
+    if visual:
+        bins = [_by_shape(b, visual) for b in bins]
     lens = [[lengths[s] for s in b] for b in bins]
     costs = [cost(x) if cost else paper_cost(x, L) for x in lens]
     if policy == "fifo":
@@ -227,6 +285,7 @@ def plan_batch(
         step,
         [[bins[j] for j in js] for js in per_rank],
         [[costs[j] for j in js] for js in per_rank],
+        dict(visual or {}),
     )
 
 

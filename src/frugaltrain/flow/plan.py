@@ -1,10 +1,15 @@
 """`frugaltrain flow plan`: the warm-up profile, both backbone cost models' accuracy and the
 allocator's plan for `alloc.budget` worker slots. Every key says measured or predicted.
+
+The plan is only as good as the profile: when a replica with more threads measured slower than
+one thread (the machine is busy, and threads wait for each other), the rates the allocator
+matches are not what the run will see, and `plan` warns.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 from frugaltrain.flow.alloc import Plan, brute_force, even_split, profile, solve_milp
 from frugaltrain.flow.config import FlowConfig
@@ -21,8 +26,12 @@ def plan(cfg: FlowConfig) -> dict:
     prof = profile(cfg, cfg.alloc.max_threads, cfg.alloc.profile_steps)
     fit = cost_fit(cfg, prof)
     rho = prof["rho"]
+    collapsed = collapsed_speedups(rho)
+    for note in collapsed:
+        warnings.warn(note, stacklevel=2)
     milp = solve_milp(rho, cfg.alloc.budget, cfg.data.global_batch)
     return {
+        "warnings": collapsed,
         "measured.rho_samples_per_s": rho,
         "measured.cost_fit": {
             "r2": fit.r2,
@@ -34,9 +43,26 @@ def plan(cfg: FlowConfig) -> dict:
         "plan_brute_force_agrees": _same(
             milp, brute_force(rho, cfg.alloc.budget, cfg.data.global_batch)
         ),
-        "even_split": even_split(rho, cfg.alloc.budget).to_dict(),
+        "even_split": even_split(rho, cfg.alloc.budget, cfg.data.global_batch).to_dict(),
         "oversubscribed": cfg.alloc.budget > (os.cpu_count() or 1),
     }
+
+
+def collapsed_speedups(rho: dict[str, dict[int, float]]) -> list[str]:
+    """One line per (module, t) whose t-thread replica measured slower than its 1-thread one:
+    the speed-up rho(t) / rho(1) the allocator relies on has collapsed below 1."""
+    notes = []
+    for module, per_t in rho.items():
+        one = per_t.get(1)
+        for t, r in sorted(per_t.items()):
+            if one and t > 1 and r < one:
+                notes.append(
+                    f"measured.rho_samples_per_s: the {module} with {t} threads ran at "
+                    f"{r / one:.2f}x its 1-thread rate ({r:.1f} vs {one:.1f} samples/s); the "
+                    "machine is contended, so the plan's predictions will not hold: profile "
+                    "again on idle cores, or set alloc.max_threads = 1"
+                )
+    return notes
 
 
 def _same(a: Plan, b: Plan) -> bool:

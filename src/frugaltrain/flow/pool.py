@@ -92,6 +92,9 @@ class ShmPool(_PoolShape):
 
     ctx: InitVar[Any]
     """A multiprocessing context (e.g. spawn) that makes the semaphores and the closed flag."""
+    device: str = "cpu"
+    """Where consumers want embeddings and producers want gradients: with "cuda" they are
+    copied from the slab straight to the GPU (DMA once each process has called `pin`)."""
 
     def __post_init__(self, ctx) -> None:
         super().__post_init__()
@@ -107,6 +110,18 @@ class ShmPool(_PoolShape):
 
     def close(self) -> None:
         self.closed.set()
+
+    def pin(self) -> None:
+        """Page-lock this process's mapping of both slabs (cudaHostRegister), so copies between
+        them and the GPU are DMA with no staging copy. Call once in every process that copies
+        to or from a GPU; it needs CUDA."""
+        cudart = torch.cuda.cudart()
+        for t in (self.emb, self.grad):
+            if t.is_pinned():
+                continue
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(f"pool: cudaHostRegister of a {tuple(t.shape)} slab: {err}")
 
     def producer(self, p: int, tracer=None) -> _ShmProducer:
         return _ShmProducer(self, p, tracer)
@@ -186,7 +201,7 @@ class _ShmProducer:
         pool, p = self.pool, self.p
         s = pool._find(p, GRAD_READY)
         sample_id, n = int(pool.m[p, s, 0]), int(pool.m[p, s, 2])
-        g = pool.grad[p, s, :n].clone()
+        g = pool.grad[p, s, :n].to(pool.device, copy=True)
         pool._move(p, s, GRAD_READY, FREE)
         pool.free[p].release()
         return sample_id, g
@@ -236,7 +251,7 @@ class _ShmConsumer:
             self._receive(f"sample {sample_id} (pool empty)")
         t1 = time.perf_counter()
         p, s = self.held[sample_id]
-        out = self.pool.emb[p, s, : int(self.pool.m[p, s, 2])].clone()
+        out = self.pool.emb[p, s, : int(self.pool.m[p, s, 2])].to(self.pool.device, copy=True)
         if self.tr:
             self.tr.add(wait_kind, t0, t1, step)
             self.tr.add("copy", t1, time.perf_counter(), step)

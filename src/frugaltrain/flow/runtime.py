@@ -1,7 +1,10 @@
-"""The three execution modes over one data stream, one packing plan and one set of weights.
+"""The execution modes over one data stream, one packing plan and one set of weights.
 
 - monolithic: one process (run.mono_threads threads) does, per global batch, encoder forward of
   every sample, the packed backbone micro-batches, encoder backward (trainable), both steps.
+- monolithic_dp: the fair baseline for a flow run of P + C processes: P + C processes, each a
+  whole model on its share of the micro-batches (the plan deals them to P + C ranks), the
+  gradients of both modules all-reduced every step (plain data parallelism).
 - sync (batch-synchronized disaggregated, DistTrain-like): P encoder and C backbone processes.
   The encoder hands a whole global batch over; the backbone starts only when all of it arrived,
   and the encoder starts the next batch only after every backbone rank acknowledged the handoff
@@ -15,27 +18,37 @@ back-propagates in the plan's order and steps on batch k before it encodes batch
 Trainable, staleness s >= 1 (opt-in): the producer encodes up to s batches ahead on older weights
 and recomputes forward with its current weights for backward. This changes the optimization.
 
+The encoder runs on the plan's encoder batches (a micro-batch's samples of one visual shape) in
+every mode, so an embedding comes from the same kernel calls whatever the mode.
+
 Both modules use AdamW; the loss is the caption cross-entropy summed over a global batch divided
 by its target count, so packing, dispatch and data parallelism never change the result.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import pickle
 import queue
+import shutil
+import signal
+import sys
+import tempfile
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from frugaltrain.config import ConfigError
 from frugaltrain.flow.config import FlowConfig
-from frugaltrain.flow.data import DigitCaptions, patches
-from frugaltrain.flow.models import build_models
+from frugaltrain.flow.data import CaptionSet, build_dataset
+from frugaltrain.flow.models import build_consumer, build_encoder, encoder_width
 from frugaltrain.flow.packing import BatchPlan, plan_batch
 from frugaltrain.flow.pool import DistPool, ShmPool
 from frugaltrain.flow.trace import Tracer
@@ -55,19 +68,28 @@ class RunResult:
     """consumer index -> sample ids in the order the pool delivered them (exactly-once check)."""
 
 
-def make_plans(cfg: FlowConfig, ds: DigitCaptions, cost=None) -> list[BatchPlan]:
+def ranks(cfg: FlowConfig) -> int:
+    """Backbone ranks the plan deals micro-batches to: the consumers, or every process of a
+    data-parallel monolithic run."""
+    if cfg.run.mode == "monolithic_dp":
+        return cfg.run.producers + cfg.run.consumers
+    return cfg.run.consumers
+
+
+def make_plans(cfg: FlowConfig, ds: CaptionSet, cost=None) -> list[BatchPlan]:
     """The schedule of every global batch; identical for all modes (lengths are known upfront:
-    fixed patching makes visual token counts a function of the tile count)."""
+    fixed patching makes visual token counts a function of the tile count or image side)."""
     s = cfg.sched
     return [
         plan_batch(
             k,
             {x.sample_id: x.length for x in ds.batch(k)},
             L=s.capacity,
-            ranks=cfg.run.consumers,
+            ranks=ranks(cfg),
             policy=s.policy,
             how=s.dispatch,
             cost=cost,
+            visual={x.sample_id: x.n_visual for x in ds.batch(k)},
         )
         for k in range(cfg.run.steps)
     ]
@@ -79,12 +101,11 @@ def min_slots(plans: list[BatchPlan], producers: int, mode: str) -> int:
     must fit; sync mode holds a whole global batch."""
     need = 1
     for pl in plans:
+        shares = pl.wave_shares(producers)
         if mode == "sync":
-            need = max(need, -(-len(pl.consume_order()) // producers))
-            continue
-        for j in range(max(len(b) for b in pl.rank_bins)):
-            wave = sum(len(b[j]) for b in pl.rank_bins if j < len(b))
-            need = max(need, -(-wave // producers))
+            need = max(need, *(sum(w[p] for w in shares) for p in range(producers)))
+        else:
+            need = max(need, *(max(w) for w in shares))
     return need
 
 
@@ -94,8 +115,12 @@ def _opt(module: nn.Module, cfg: FlowConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=cfg.run.lr, weight_decay=0.0, foreach=False)
 
 
-def _texts(ds: DigitCaptions, ids: list[int]) -> list[torch.Tensor]:
+def _texts(ds: CaptionSet, ids: list[int]) -> list[torch.Tensor]:
     return [torch.tensor(ds.sample(i).tokens) for i in ids]
+
+
+def _device(cfg: FlowConfig) -> torch.device:
+    return torch.device("cuda:0" if cfg.run.device == "cuda" else "cpu")
 
 
 def _all_reduce_grads(module: nn.Module, group) -> None:
@@ -126,48 +151,100 @@ def run_monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
         torch.set_num_threads(saved)
 
 
-def _monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
-    ds, dtype, train = (
-        DigitCaptions.from_config(cfg),
-        getattr(torch, cfg.run.dtype),
-        cfg.run.train_encoder,
-    )
-    enc, cons = build_models(cfg)
-    enc_opt, cons_opt = _opt(enc, cfg), _opt(cons, cfg)
-    tr, losses = Tracer("mono"), []
-    for k, plan in enumerate(plans):
-        order = [sid for sid, _ in plan.consume_order()]
+@dataclass
+class _Lockstep:
+    """A whole model in one process: what monolithic and each monolithic_dp replica run."""
+
+    cfg: FlowConfig
+    ds: CaptionSet
+    enc: nn.Module
+    cons: nn.Module
+    tr: Tracer
+
+    @classmethod
+    def build(cls, cfg: FlowConfig, role: str) -> _Lockstep:
+        ds, dev = build_dataset(cfg), _device(cfg)
+        enc, cons = build_encoder(cfg).to(dev), build_consumer(cfg, ds).to(dev)
+        enc.requires_grad_(cfg.run.train_encoder)
+        return cls(cfg, ds, enc, cons, Tracer(role))
+
+    def step(self, k: int, plan: BatchPlan, ranks: list[int], producers: int) -> float:
+        """Forward and backward of `ranks`' micro-batches of batch k (gradients accumulate; no
+        optimizer step); the encoder's backward runs per call in each producer's order, as in
+        flow. Returns this share's loss."""
+        cfg, ds, tr, train = self.cfg, self.ds, self.tr, self.cfg.run.train_encoder
+        dtype, dev = getattr(torch, cfg.run.dtype), _device(cfg)
+        calls = [(b, s) for b, (s, r) in enumerate(plan.encoder_batches()) if r in ranks]
         outs, embs = {}, {}
-        with tr.span("compute", k), torch.set_grad_enabled(train):
-            for sid in order:
-                outs[sid] = enc(patches(ds.sample(sid), cfg.data.patch, dtype))
-                embs[sid] = outs[sid].detach().requires_grad_(train)
+        for b, sids in calls:
+            x = ds.encoder_input(sids, dtype).to(dev)
+            with tr.span("compute", k), torch.set_grad_enabled(train):
+                outs[b] = self.enc(x)
+            for i, sid in enumerate(sids):
+                embs[sid] = outs[b][i].detach().requires_grad_(train)
         denom, total = ds.target_tokens(k), 0.0
-        for bins in plan.rank_bins:
-            for b in bins:
+        for r in ranks:
+            for mb in plan.rank_bins[r]:
                 with tr.span("compute", k):
-                    loss = cons.loss_sum([embs[s] for s in b], _texts(ds, b)) / denom
+                    loss = self.cons.loss_sum([embs[s] for s in mb], _texts(ds, mb)) / denom
                     loss.backward()
                 total += loss.item()
-        if train:  # encoder backward per sample, in each producer's consume order (as in flow)
+        if train:
             with tr.span("compute", k):
-                for p in range(cfg.run.producers):
-                    for i, sid in enumerate(order):
-                        if i % cfg.run.producers == p:
-                            outs[sid].backward(embs[sid].grad)
-        with tr.span("optim", k):
-            cons_opt.step()
-            cons_opt.zero_grad(set_to_none=True)
-            if train:
-                enc_opt.step()
-                enc_opt.zero_grad(set_to_none=True)
-        tr.step_end[k] = time.perf_counter()
+                for p in range(producers):
+                    for b, sids in calls:
+                        if b % producers == p:
+                            outs[b].backward(torch.stack([embs[s].grad for s in sids]))
+        return total
+
+
+def _monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
+    m = _Lockstep.build(cfg, "mono")
+    enc_opt, cons_opt = _opt(m.enc, cfg), _opt(m.cons, cfg)
+    losses = []
+    for k, plan in enumerate(plans):
+        total = m.step(k, plan, list(range(len(plan.rank_bins))), cfg.run.producers)
+        with m.tr.span("optim", k):
+            _step(cons_opt)
+            if cfg.run.train_encoder:
+                _step(enc_opt)
+        m.tr.step_end[k] = time.perf_counter()
         losses.append(total)
-    return RunResult(losses, _state(enc), _state(cons), [tr.to_dict()])
+    return RunResult(losses, _state(m.enc), _state(m.cons), [m.tr.to_dict()])
+
+
+def _replica(cfg: FlowConfig, plans: list[BatchPlan], r: int, group, tr: Tracer, fault) -> dict:
+    """One monolithic_dp replica: its rank's micro-batches, then all-reduce and step."""
+    import torch.distributed as dist
+
+    m = _Lockstep.build(cfg, tr.role)
+    m.tr = tr
+    enc_opt, cons_opt = _opt(m.enc, cfg), _opt(m.cons, cfg)
+    losses = []
+    for k, plan in enumerate(plans):
+        _inject(fault, tr.role, k)
+        total = m.step(k, plan, [r], 1)
+        with tr.span("optim", k):
+            _all_reduce_grads(m.cons, group)
+            if cfg.run.train_encoder:
+                _all_reduce_grads(m.enc, group)
+            t = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(t, group=group)
+            _step(cons_opt)
+            if cfg.run.train_encoder:
+                _step(enc_opt)
+        tr.step_end[k] = time.perf_counter()
+        losses.append(float(t))
+    return {"enc_state": _state(m.enc), "cons_state": _state(m.cons), "losses": losses}
+
+
+def _step(opt: torch.optim.Optimizer) -> None:
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _state(m: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
 
 
 # ------------------------------------------------------------------- producer
@@ -176,16 +253,17 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
 class _GradReturn:
     """A trainable encoder's half of the gradient return through the pool.
 
-    It stashes what backward needs, back-propagates returning gradients in the plan's order (a
-    gradient that arrives early waits in `arrived`), holds a slot per sample until its gradient
-    is back, and steps the optimizer once a batch's gradients are all in (`version` counts steps).
+    It stashes what backward needs per encoder call, back-propagates a call once every one of
+    its samples' gradients is back, in the plan's order (gradients that arrive early wait in
+    `arrived`), holds a slot per sample until its gradient is back, and steps the optimizer
+    once a batch's gradients are all in (`version` counts steps).
     """
 
     def __init__(self, cfg: FlowConfig, enc: nn.Module, end, group, tr: Tracer) -> None:
         self.enc, self.opt, self.end, self.group, self.tr = enc, _opt(enc, cfg), end, group, tr
         self.P, self.S, self.s_max = cfg.run.producers, cfg.pool.slots, cfg.run.staleness
-        self.stash: dict[int, torch.Tensor] = {}  # sample_id -> output (s = 0) or input (s >= 1)
-        self.expected: deque[tuple[int, int]] = deque()  # (step, sample_id) in backward order
+        # (step, sample ids, output (s = 0) or input (s >= 1)) per call, in backward order
+        self.expected: deque[tuple[int, list[int], torch.Tensor]] = deque()
         self.arrived: dict[int, torch.Tensor] = {}
         self.outstanding = 0  # samples put whose gradient has not come back (slots held)
         self.version = 0
@@ -195,11 +273,13 @@ class _GradReturn:
         while self.version < k - self.s_max:
             self.finish(self.version)
 
-    def hold(self, k: int, sid: int, emb: torch.Tensor, x: torch.Tensor) -> None:
-        """Stash sample `sid` for backward and wait for the slot its `put` will take."""
-        self.stash[sid] = emb if self.s_max == 0 else x
-        self.expected.append((k, sid))
-        while self.outstanding >= self.S:  # slots are held until their gradient returns
+    def hold(self, k: int, sids: list[int], out: torch.Tensor, x: torch.Tensor) -> None:
+        """Stash one encoder call for backward."""
+        self.expected.append((k, sids, out if self.s_max == 0 else x))
+
+    def reserve(self) -> None:
+        """Wait for the slot the next `put` takes: slots are held until their gradient returns."""
+        while self.outstanding >= self.S:
             self.take(True, -1)
         self.outstanding += 1
 
@@ -224,23 +304,21 @@ class _GradReturn:
         return True
 
     def _backward_ready(self) -> None:
-        while self.expected and self.expected[0][1] in self.arrived:
-            k, sid = self.expected.popleft()
+        while self.expected and all(s in self.arrived for s in self.expected[0][1]):
+            k, sids, saved = self.expected.popleft()
             with self.tr.span("compute", k):
-                if self.s_max == 0:
-                    self.stash.pop(sid).backward(self.arrived.pop(sid))
-                else:  # stale: recompute with the current weights (changes the optimization)
-                    self.enc(self.stash.pop(sid)).backward(self.arrived.pop(sid))
+                out = saved if self.s_max == 0 else self.enc(saved)  # stale: recompute
+                grad = torch.stack([self.arrived.pop(s) for s in sids]).to(out.device)
+                out.backward(grad)
 
     def finish(self, k: int) -> None:
         """Wait for the rest of batch k's gradients, then all-reduce and step."""
-        while any(step == k for step, _ in self.expected):
+        while any(step == k for step, _, _ in self.expected):
             self.take(True, k)
         with self.tr.span("optim", k):
             if self.P > 1:
                 _all_reduce_grads(self.enc, self.group)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            _step(self.opt)
         self.version += 1
         self.tr.step_end[k] = time.perf_counter()
 
@@ -248,23 +326,27 @@ class _GradReturn:
 def _producer(
     cfg: FlowConfig, plans: list[BatchPlan], end, p: int, group, tr: Tracer, fault=None
 ) -> dict:
-    ds, dtype = DigitCaptions.from_config(cfg), getattr(torch, cfg.run.dtype)
+    ds, dtype, dev = build_dataset(cfg), getattr(torch, cfg.run.dtype), _device(cfg)
     P, train, s_max = cfg.run.producers, cfg.run.train_encoder, cfg.run.staleness
-    enc, _ = build_models(cfg)
+    enc = build_encoder(cfg).to(dev)
     enc.requires_grad_(train)
     grads = _GradReturn(cfg, enc, end, group, tr) if train else None
     for k, plan in enumerate(plans):
         _inject(fault, tr.role, k)
         if grads:
             grads.catch_up(k)
-        mine = [(sid, r) for i, (sid, r) in enumerate(plan.consume_order()) if i % P == p]
-        for sid, dest in mine:
-            x = patches(ds.sample(sid), cfg.data.patch, dtype)
+        for b, (sids, dest) in enumerate(plan.encoder_batches()):
+            if b % P != p:
+                continue
+            x = ds.encoder_input(sids, dtype).to(dev)
             with tr.span("compute", k), torch.set_grad_enabled(train and s_max == 0):
-                emb = enc(x)
+                emb_BND = enc(x)
             if grads:
-                grads.hold(k, sid, emb, x)
-            end.put(sid, k, dest, emb.detach())
+                grads.hold(k, sids, emb_BND, x)
+            for i, sid in enumerate(sids):
+                if grads:
+                    grads.reserve()
+                end.put(sid, k, dest, emb_BND[i].detach())
             if grads:
                 grads.drain(k)
         if cfg.run.mode == "sync":
@@ -286,8 +368,8 @@ def _consumer(
 ) -> dict:
     import torch.distributed as dist
 
-    ds, train = DigitCaptions.from_config(cfg), cfg.run.train_encoder
-    _, cons = build_models(cfg)
+    ds, train, dev = build_dataset(cfg), cfg.run.train_encoder, _device(cfg)
+    cons = build_consumer(cfg, ds).to(dev)
     opt = _opt(cons, cfg)
     losses = []
     for k, plan in enumerate(plans):
@@ -303,7 +385,7 @@ def _consumer(
         denom, total = ds.target_tokens(k), 0.0
         for b in bins:
             embs = [
-                (got.pop(sid) if sid in got else end.take(sid, k)).requires_grad_(train)
+                (got.pop(sid) if sid in got else end.take(sid, k)).to(dev).requires_grad_(train)
                 for sid in b
             ]
             with tr.span("compute", k):
@@ -322,8 +404,7 @@ def _consumer(
                 t = torch.tensor([total], dtype=torch.float64)
                 dist.all_reduce(t, group=group)
                 total = float(t)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _step(opt)
         end.flush()
         tr.step_end[k] = time.perf_counter()
         losses.append(total)
@@ -333,10 +414,37 @@ def _consumer(
 # ------------------------------------------------------------------- processes
 
 
-def _inject(fault: tuple[str, int] | None, role: str, step: int) -> None:
-    """Test hook: fail `role` (e.g. "producer0") at the start of `step`."""
-    if fault == (role, step):
-        raise RuntimeError(f"injected fault in {role} at step {step}")
+def _inject(fault: tuple | None, role: str, step: int) -> None:
+    """Test hook: fail `role` (e.g. "producer0") at the start of `step`; a third element
+    "crash" kills the process the way a fault in native code would (no Python exception)."""
+    if fault is None or tuple(fault[:2]) != (role, step):
+        return
+    if fault[2:] == ("crash",):
+        os.abort()
+    raise RuntimeError(f"injected fault in {role} at step {step}")
+
+
+def _role(cfg: FlowConfig, rank: int) -> str:
+    P = cfg.run.producers
+    if cfg.run.mode == "monolithic_dp":
+        return f"replica{rank}"
+    return f"producer{rank}" if rank < P else f"consumer{rank - P}"
+
+
+def _entry(rank: int, payload: bytes, port: int, pool, result_q) -> None:
+    """A worker process's entry. The run (config, plans, fault hook) arrives pickled and is
+    unpickled here, so a failure to rebuild it in the child reaches the launcher with its
+    traceback like any other error. stderr is the worker's log (see `_start`), and a crash in
+    native code leaves the Python stack there."""
+    faulthandler.enable()
+    try:
+        cfg, plans, fault = pickle.loads(payload)
+    except BaseException:
+        if isinstance(pool, ShmPool):
+            pool.close()  # unblock peers waiting on the pool
+        result_q.put(("error", rank, f"worker {rank}: {traceback.format_exc()}"))
+        return
+    _worker(rank, cfg, plans, port, pool, result_q, fault)
 
 
 def _worker(
@@ -346,25 +454,15 @@ def _worker(
 
     torch.set_num_threads(cfg.run.threads)
     P, C = cfg.run.producers, cfg.run.consumers
-    role = f"producer{rank}" if rank < P else f"consumer{rank - P}"
-    tr = Tracer(role)
+    tr = Tracer(_role(cfg, rank))
     try:
         timeout = timedelta(seconds=cfg.run.timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=P + C, timeout=timeout)
-        groups = [dist.new_group(list(range(P))), dist.new_group(list(range(P, P + C)))]
-        if pool is None:
-            pool = _dist_pool(cfg)
-        if rank < P:
-            out = _producer(cfg, plans, pool.producer(rank, tr), rank, groups[0], tr, fault)
+        if cfg.run.mode == "monolithic_dp":
+            out = _replica(cfg, plans, rank, None, tr, fault)
         else:
-            owner = {sid: i % P for pl in plans for i, (sid, _) in enumerate(pl.consume_order())}
-            end = (
-                pool.consumer(rank - P, tr)
-                if isinstance(pool, ShmPool)
-                else pool.consumer(rank - P, owner.__getitem__, tr)
-            )
-            out = _consumer(cfg, plans, end, rank - P, groups[1], tr, fault)
+            out = _pool_worker(cfg, plans, rank, pool, tr, fault)
         out = {
             k: ({n: t.numpy() for n, t in v.items()} if k.endswith("_state") else v)
             for k, v in out.items()
@@ -375,7 +473,27 @@ def _worker(
     except BaseException:
         if isinstance(pool, ShmPool):
             pool.close()  # unblock peers waiting on the pool
-        result_q.put(("error", rank, f"{role}: {traceback.format_exc()}"))
+        result_q.put(("error", rank, f"{tr.role}: {traceback.format_exc()}"))
+
+
+def _pool_worker(cfg: FlowConfig, plans: list[BatchPlan], rank: int, pool, tr: Tracer, fault):
+    """A producer or a consumer of a sync or flow run, on its module's process group."""
+    import torch.distributed as dist
+
+    P, C = cfg.run.producers, cfg.run.consumers
+    groups = [dist.new_group(list(range(P))), dist.new_group(list(range(P, P + C)))]
+    if pool is None:
+        pool = _dist_pool(cfg)
+    elif cfg.run.device == "cuda":
+        pool.pin()  # page-lock this process's mapping of the slabs: copies to the GPU are DMA
+    if rank < P:
+        return _producer(cfg, plans, pool.producer(rank, tr), rank, groups[0], tr, fault)
+    if isinstance(pool, ShmPool):
+        end = pool.consumer(rank - P, tr)
+    else:
+        owner = {sid: p for pl in plans for sid, p in pl.owners(P).items()}
+        end = pool.consumer(rank - P, owner.__getitem__, tr)
+    return _consumer(cfg, plans, end, rank - P, groups[1], tr, fault)
 
 
 def _pool_shape(cfg: FlowConfig) -> dict:
@@ -385,7 +503,7 @@ def _pool_shape(cfg: FlowConfig) -> dict:
         consumers=cfg.run.consumers,
         slots=cfg.pool.slots,
         max_tokens=cfg.slot_tokens,
-        dim=cfg.model.enc_dim,
+        dim=encoder_width(cfg),
         dtype=getattr(torch, cfg.run.dtype),
         timeout_s=cfg.run.timeout_s,
     )
@@ -396,43 +514,76 @@ def _dist_pool(cfg: FlowConfig) -> DistPool:
 
 
 def run(
-    cfg: FlowConfig, plans: list[BatchPlan] | None = None, fault: tuple[str, int] | None = None
+    cfg: FlowConfig, plans: list[BatchPlan] | None = None, fault: tuple | None = None
 ) -> RunResult:
-    """Run `cfg.run.mode`; sync and flow spawn P + C worker processes (gloo, store on port 0).
+    """Run `cfg.run.mode`; monolithic_dp, sync and flow spawn P + C worker processes (gloo,
+    store on port 0).
 
-    A failure in any worker raises `FlowWorkerError` here within the timeout, and every worker
-    this call started is gone when it returns. `fault=(role, step)` injects one (tests).
+    A failure in any worker raises `FlowWorkerError` here within the timeout, with the worker's
+    traceback, and every worker this call started is gone when it returns. `fault=(role, step)`
+    injects one (tests).
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    plans = plans if plans is not None else make_plans(cfg, DigitCaptions.from_config(cfg))
+    _check_device(cfg)
+    plans = plans if plans is not None else make_plans(cfg, build_dataset(cfg))
     if cfg.run.mode == "monolithic":
         return run_monolithic(cfg, plans)
-    _check_slots(cfg, plans)
+    if cfg.run.mode != "monolithic_dp":
+        _check_slots(cfg, plans)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local-only launcher: stay on loopback
     ctx = mp.get_context("spawn")
     timeout = timedelta(seconds=cfg.run.timeout_s)
     # the workers rendezvous here; it must outlive them, so it stays referenced until we return
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    pool = ShmPool(**_pool_shape(cfg), ctx=ctx) if cfg.run.backend == "shm" else None
+    pooled = cfg.run.mode != "monolithic_dp" and cfg.run.backend == "shm"
+    pool = ShmPool(**_pool_shape(cfg), device=cfg.run.device, ctx=ctx) if pooled else None
     result_q = ctx.Queue()
+    payload = pickle.dumps((cfg, plans, fault))
     procs = [
-        ctx.Process(target=_worker, args=(r, cfg, plans, store.port, pool, result_q, fault))
+        ctx.Process(target=_entry, args=(r, payload, store.port, pool, result_q))
         for r in range(cfg.run.producers + cfg.run.consumers)
     ]
-    for pr in procs:
-        pr.start()
+    logs = Path(tempfile.mkdtemp(prefix="frugaltrain-flow-"))
+    finished = False
     try:
-        results = _collect(procs, result_q, time.monotonic() + cfg.run.timeout_s * 2 + 60)
+        _start(procs, logs)
+        results = _collect(procs, result_q, time.monotonic() + cfg.run.timeout_s * 2 + 60, logs)
         for pr in procs:
             pr.join(timeout=cfg.run.timeout_s)
+        finished = True
     finally:
         _stop(procs, pool)
+        if finished:  # a failed run keeps the workers' logs; its error names them
+            shutil.rmtree(logs, ignore_errors=True)
     if pool is not None:
         leaked = int((pool.states() != 0).sum())
         assert leaked == 0, f"{leaked} pool slots not FREE at shutdown"
-    return _run_result(results, cfg.run.producers, cfg.run.consumers)
+    return _run_result(results, cfg)
+
+
+def _start(procs: list, logs: Path) -> None:
+    """Start each worker with its stderr (fd 2) on logs/workerN.log from its first instruction,
+    so what a child prints before any of our code runs (say, a script without an
+    `if __name__ == "__main__":` guard re-run by spawn) is kept for the error report."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        for r, pr in enumerate(procs):
+            with open(logs / f"worker{r}.log", "wb") as log:
+                os.dup2(log.fileno(), 2)  # the spawned child inherits fd 2 as it is now
+                pr.start()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _check_device(cfg: FlowConfig) -> None:
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "run.device = 'cuda': torch sees no CUDA device here; use run.device = 'cpu'"
+        )
 
 
 def _check_slots(cfg: FlowConfig, plans: list[BatchPlan]) -> None:
@@ -444,26 +595,42 @@ def _check_slots(cfg: FlowConfig, plans: list[BatchPlan]) -> None:
         )
 
 
-def _collect(procs: list, result_q, deadline: float) -> dict[int, dict]:
+def _collect(procs: list, result_q, deadline: float, logs: Path) -> dict[int, dict]:
     """Every worker's payload by rank; raises at the first reported error, on a worker that died
-    without reporting, or after `deadline` (time.monotonic)."""
+    without reporting (with its exit signal and the Python stack it left in its log), or after
+    `deadline` (time.monotonic)."""
     results: dict[int, dict] = {}
     while len(results) < len(procs):
         try:
             status, rank, payload = result_q.get(timeout=0.2)
         except queue.Empty:
             dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-            if dead and not any(r in results for r in dead):
-                raise FlowWorkerError(
-                    f"worker(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-                ) from None
+            dead = [r for r in dead if r not in results]
+            if dead:
+                raise FlowWorkerError(_death_report(procs, dead, logs)) from None
             if time.monotonic() > deadline:
-                raise TimeoutError("flow run: workers did not finish in time") from None
+                raise TimeoutError(
+                    f"flow run: workers did not finish in time; their logs are in {logs}"
+                ) from None
             continue
         if status == "error":
             raise FlowWorkerError(payload)
         results[rank] = payload
     return results
+
+
+def _death_report(procs: list, dead: list[int], logs: Path, tail: int = 40) -> str:
+    """What is known of workers that died without a word: how they ended, and the end of what
+    they wrote to stderr (a traceback, or the Python stack of a crash in native code)."""
+    lines = []
+    for r in dead:
+        code = procs[r].exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        log = logs / f"worker{r}.log"
+        text = log.read_text(errors="replace").strip().splitlines()[-tail:]
+        lines.append(f"worker {r} died ({how}); the end of {log}:")
+        lines += ["  " + t for t in text] or ["  (nothing)"]
+    return "\n".join(lines)
 
 
 def _stop(procs: list, pool: ShmPool | None) -> None:
@@ -476,14 +643,20 @@ def _stop(procs: list, pool: ShmPool | None) -> None:
             pr.join(5)
 
 
-def _run_result(results: dict[int, dict], P: int, C: int) -> RunResult:
-    """Producer 0 and consumer 0 hold the (data-parallel identical) weights and the losses."""
+def _run_result(results: dict[int, dict], cfg: FlowConfig) -> RunResult:
+    """The first backbone process holds the (data-parallel identical) backbone weights and the
+    losses, the first process the encoder's."""
+    P, C = cfg.run.producers, cfg.run.consumers
+    if cfg.run.mode == "monolithic_dp":
+        first, backbones = results[0], []
+    else:
+        first, backbones = results[P], range(C)
     return RunResult(
-        results[P]["losses"],
+        first["losses"],
         _tensors(results[0]["enc_state"]),
-        _tensors(results[P]["cons_state"]),
+        _tensors(first["cons_state"]),
         [results[r]["trace"] for r in range(P + C)],
-        {c: results[P + c]["delivered"] for c in range(C)},
+        {c: results[P + c]["delivered"] for c in backbones},
     )
 
 

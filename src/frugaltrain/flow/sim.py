@@ -1,12 +1,12 @@
 """Discrete-event projection of the three modes from measured profiles. Output is SIMULATED.
 
-Inputs are measured on this machine: per-sample encoder seconds (fitted, linear + quadratic in
-visual tokens), per-micro-batch backbone seconds (the better of the two cost models), the
-optimizer time per step, and the 1- vs 2-thread speed-ups. The simulator then replays the same
-plans with P producers, C consumers and S slots per producer, modelling exactly the dependencies
-the runtime enforces (frozen encoder):
+Inputs are measured on this machine: encoder seconds per call (fitted on the warm-up profile's
+calls; `charge_calls` puts a call's time on its first sample), per-micro-batch backbone seconds
+(the better of the two cost models), the optimizer time per step, and the 1- vs 2-thread
+speed-ups. The simulator then replays the same plans with P producers, C consumers and S slots
+per producer, modelling exactly the dependencies the runtime enforces (frozen encoder):
 
-  a producer encodes its samples in consume order, one at a time, and needs a free slot
+  a producer runs its encoder calls in consume order and needs a free slot per sample
   (sample j waits for the release of sample j - S); a consumer runs its micro-batches in order,
   each when its samples are ready; all consumers meet at the step barrier (all-reduce + step);
   sync mode additionally waits for the whole batch before compute and for the handoff before
@@ -64,7 +64,7 @@ class _Streams:
     """Where every sample sits in its producer's stream and in its consumer's micro-batches."""
 
     stream: list[list[tuple[int, int, int]]]
-    """per producer: (step, sample_id, consumer) in consume order, round-robin over producers."""
+    """per producer: (step, sample_id, consumer) in consume order (its encoder calls)."""
     pos: dict[int, tuple[int, int]]
     """sample_id -> (producer, position in its stream)."""
     where: dict[int, tuple[int, int, int]]
@@ -73,14 +73,29 @@ class _Streams:
     """(producer, step) -> position of the producer's first sample of that step."""
 
 
+def charge_calls(
+    plans: list[BatchPlan], call_s: Callable[[list[int]], float]
+) -> Callable[[int], float]:
+    """Per-sample encoder seconds from per-call seconds: a call's whole time on its first
+    sample and 0 on the others, so its samples become ready together, when the call ends."""
+    charged = {
+        sids[i]: call_s(sids) if i == 0 else 0.0
+        for pl in plans
+        for sids, _ in pl.encoder_batches()
+        for i in range(len(sids))
+    }
+    return charged.__getitem__
+
+
 def _streams(plans: list[BatchPlan], P: int) -> _Streams:
     st = _Streams(stream=[[] for _ in range(P)], pos={}, where={}, first_of_step={})
     for k, pl in enumerate(plans):
-        for i, (sid, c) in enumerate(pl.consume_order()):
-            p = i % P
-            st.first_of_step.setdefault((p, k), len(st.stream[p]))
-            st.pos[sid] = (p, len(st.stream[p]))
-            st.stream[p].append((k, sid, c))
+        for b, (sids, c) in enumerate(pl.encoder_batches()):
+            p = b % P  # encoder calls are dealt to producers round robin, as in the runtime
+            for sid in sids:
+                st.first_of_step.setdefault((p, k), len(st.stream[p]))
+                st.pos[sid] = (p, len(st.stream[p]))
+                st.stream[p].append((k, sid, c))
         for c, bins in enumerate(pl.rank_bins):
             for b_i, b in enumerate(bins):
                 for sid in b:
@@ -187,7 +202,7 @@ def simulate(
 
     Args:
         slots: S, slots per producer.
-        enc_s: encoder seconds of one sample, by sample id.
+        enc_s: encoder seconds charged to one sample, by sample id (see `charge_calls`).
         bin_s: backbone seconds of one micro-batch (a list of sample ids).
         optim_s: all-reduce + optimizer step seconds per step.
     """

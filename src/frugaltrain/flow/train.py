@@ -13,7 +13,7 @@ import numpy as np
 
 from frugaltrain.flow.alloc import profile
 from frugaltrain.flow.config import FlowConfig
-from frugaltrain.flow.data import DigitCaptions, Sample
+from frugaltrain.flow.data import CaptionSet, Sample, build_dataset
 from frugaltrain.flow.models import build_models, flops_per_token
 from frugaltrain.flow.packing import BatchPlan, packing_efficiency, rank_imbalance
 from frugaltrain.flow.plan import cost_fit
@@ -23,7 +23,7 @@ from frugaltrain.flow.trace import calibrate_matmul_flops, plot_timeline, summar
 
 def train(cfg: FlowConfig) -> dict:
     """Run `cfg.run.mode` with the configured dispatch cost, then write the run's files."""
-    ds = DigitCaptions.from_config(cfg)
+    ds = build_dataset(cfg)
     plans = make_plans(cfg, ds, _dispatch_cost(cfg))
     res = run(cfg, plans)
     m = measure(cfg, plans, res, calibrate_matmul_flops())
@@ -46,13 +46,20 @@ def _dispatch_cost(cfg: FlowConfig) -> Callable[[list[int]], float] | None:
     return lambda lens: fit.seconds(lens, cfg.sched.capacity, model)
 
 
-def measure(cfg: FlowConfig, plans: list[BatchPlan], res: RunResult, peak_flops: float) -> dict:
+def measure(
+    cfg: FlowConfig,
+    plans: list[BatchPlan],
+    res: RunResult,
+    peak_flops: float,
+    ds: CaptionSet | None = None,
+) -> dict:
     """Metrics of one run (measured), including the CPU MFU proxy (estimated).
 
     Args:
         peak_flops: single-core GEMM FLOP/s (`calibrate_matmul_flops`); 0 leaves the proxy out.
+        ds: the run's dataset, if the caller has it (building one reads a folder again).
     """
-    ds = DigitCaptions.from_config(cfg)
+    ds = ds or build_dataset(cfg)
     batch = [s for k in range(cfg.run.warmup_steps, cfg.run.steps) for s in ds.batch(k)]
     out = summarize(
         res.traces,
@@ -60,7 +67,7 @@ def measure(cfg: FlowConfig, plans: list[BatchPlan], res: RunResult, peak_flops:
         tokens=sum(s.length for s in batch),
         warmup_steps=cfg.run.warmup_steps,
         steps=cfg.run.steps,
-        model_flops=_model_flops(cfg, batch),
+        model_flops=_model_flops(cfg, ds, batch),
         peak_flops=peak_flops,
         cores=_cores(cfg),
     )
@@ -80,8 +87,8 @@ def measure(cfg: FlowConfig, plans: list[BatchPlan], res: RunResult, peak_flops:
     return out
 
 
-def _model_flops(cfg: FlowConfig, batch: list[Sample]) -> float:
-    enc, cons = build_models(cfg)
+def _model_flops(cfg: FlowConfig, ds: CaptionSet, batch: list[Sample]) -> float:
+    enc, cons = build_models(cfg, ds)
     vis = sum(s.n_visual for s in batch)
     tok = sum(s.length for s in batch)
     # forward 2 FLOPs/param/token, backward 4; a frozen encoder runs forward only
@@ -92,6 +99,7 @@ def _model_flops(cfg: FlowConfig, batch: list[Sample]) -> float:
 def _cores(cfg: FlowConfig) -> int:
     if cfg.run.mode == "monolithic":
         return cfg.run.mono_threads
+    # monolithic_dp runs as many processes as sync and flow
     return cfg.run.threads * (cfg.run.producers + cfg.run.consumers)
 
 
