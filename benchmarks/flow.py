@@ -1,15 +1,24 @@
-"""FlowTrain benchmark: monolithic, sync and flow (plus ablations) interleaved A B C A B C ...
+"""FlowTrain benchmark: flow against the fair baseline (data parallel, same processes), on
+transformers parts, variants interleaved A B C D A B C D ...
 
-    python benchmarks/flow.py                 # 5 repetitions, both workloads
-    python benchmarks/flow.py --reps 3 --workloads encoder_heavy
+    python benchmarks/flow.py                  # 7 repetitions, both workloads
+    python benchmarks/flow.py --reps 9 --workloads encoder_heavy --ablations
     python benchmarks/flow.py --reps 3 --alloc-check 3 --workloads encoder_heavy
 
-Prints a table (medians and IQR of measured samples/s, ratio to monolithic, idle breakdown) and
-writes the full JSON (per-run metrics, bootstrap interval of flow/monolithic, simulator
-validation and the simulated projection) to benchmarks/results/. The machine may be shared:
-interleaving and within-repetition ratios are the defence, and the JSON records the load.
+Variants (same data, same packing plan, same cores):
+  monolithic_dp  the fair baseline: P + C processes (flow's count), each a whole model on its
+                 share, gradients all-reduced (plain data parallelism)
+  monolithic     one process with run.mono_threads threads
+  sync           P encoder + C backbone processes, batch-synchronized (DistTrain-like)
+  flow           the same processes, streaming through the pool
+  flow_no_pool, flow_fifo   ablations (--ablations)
+
+Prints a table (median, IQR and a bootstrap interval of measured samples/s, ratios to the fair
+baseline, the allocator's prediction beside them, the verdict on the 1.2x target) and writes
+the JSON (every run's metrics and the load average before and after it, the machine it ran on,
+the simulator's validation and its projection to 8 and 64 devices) to benchmarks/results/.
 Every key says measured, predicted, estimated or simulated. --config defaults to
-examples/flow.toml; --set overrides its keys as in `frugaltrain flow train`.
+examples/flow_vlm.toml; --set overrides its keys as in `frugaltrain flow train`.
 """
 
 from __future__ import annotations
@@ -26,51 +35,61 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from frugaltrain.config import ConfigError, build_config
 from frugaltrain.flow.alloc import even_split, profile, solve_milp
 from frugaltrain.flow.config import FlowConfig, load_flow_config
-from frugaltrain.flow.data import DigitCaptions
+from frugaltrain.flow.data import CaptionSet, build_dataset
 from frugaltrain.flow.packing import BatchPlan
-from frugaltrain.flow.plan import cost_fit
+from frugaltrain.flow.plan import collapsed_speedups, cost_fit
 from frugaltrain.flow.runtime import make_plans, min_slots, run
-from frugaltrain.flow.sim import simulate, simulate_monolithic
+from frugaltrain.flow.sim import charge_calls, simulate, simulate_monolithic
 from frugaltrain.flow.trace import calibrate_matmul_flops, plot_timeline
 from frugaltrain.flow.train import measure
 
-# Named workloads are plain override lists on top of a config (a variant edits a copy).
+# Named workloads are plain override lists on top of the config (a variant edits a copy). Rates
+# are one-thread warm-up figures on the project's 2-core machine (measured with `flow plan`).
 WORKLOADS = {
-    # encoder ~1.3x the backbone's time per batch at one thread each (measured in `plan`)
+    # ViT 256 x 6 against Llama 64 x 2: the encoder ~1.8x slower per sample
     "encoder_heavy": [
-        "model.enc_dim=192",
-        "model.enc_layers=4",
-        "model.enc_heads=6",
-        "model.lm_dim=96",
+        "model.enc_dim=256",
+        "model.enc_layers=6",
+        "model.enc_heads=8",
+        "model.lm_dim=64",
         "model.lm_layers=2",
         "model.lm_heads=4",
+        "model.lm_kv_heads=2",
     ],
-    # backbone ~15x the encoder's
+    # ViT 128 x 4 against Llama 128 x 3: the backbone ~4x slower per sample
     "backbone_heavy": [
-        "model.enc_dim=64",
-        "model.enc_layers=2",
+        "model.enc_dim=128",
+        "model.enc_layers=4",
         "model.enc_heads=4",
-        "model.lm_dim=160",
-        "model.lm_layers=4",
+        "model.lm_dim=128",
+        "model.lm_layers=3",
         "model.lm_heads=4",
+        "model.lm_kv_heads=2",
     ],
 }
-PROJECTION_BUDGETS = (2, 4, 8, 16, 32, 64)  # R: worker slots of the simulated projection
+BASELINE = "monolithic_dp"  # the verdict's reference: what a user with these cores would run
+TARGET = 1.2  # flow / fair baseline
+PROJECTION_BUDGETS = (2, 4, 8, 16, 32, 64)  # R: devices of the simulated projection
 
 
 def with_sets(cfg: FlowConfig, sets: list[str]) -> FlowConfig:
     return build_config(FlowConfig, dataclasses.asdict(cfg), sets)
 
 
-def _stats(xs: list[float]) -> dict:
+def _stats(xs: list[float], seed: int = 0) -> dict:
+    """Median, IQR, range and a 95% bootstrap interval of the median."""
     q = np.percentile(xs, [25, 50, 75])
+    r = np.random.default_rng(seed)
+    boot = [np.median(r.choice(xs, len(xs))) for _ in range(2000)]
     return {
         "median": float(q[1]),
         "iqr": [float(q[0]), float(q[2])],
+        "boot95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
         "min": min(xs),
         "max": max(xs),
         "n": len(xs),
@@ -96,18 +115,47 @@ def _roles_mean(ms: list[dict]) -> dict:
 
 def _variants(slots: int, ablations: bool) -> dict[str, list[str]]:
     variants = {
+        BASELINE: ["run.mode='monolithic_dp'"],
         "monolithic": ["run.mode='monolithic'"],
-        # reference: the same process with one thread (half the cores of every other variant)
-        "monolithic_1t": ["run.mode='monolithic'", "run.mono_threads=1"],
         "sync": ["run.mode='sync'"],
         "flow": ["run.mode='flow'"],
-        # ablations (flow with one mechanism removed)
-        "flow_no_pool": ["run.mode='flow'", f"pool.slots={slots}"],
-        "flow_fifo": ["run.mode='flow'", "sched.policy='fifo'"],
     }
-    if not ablations:
-        variants = {k: v for k, v in variants.items() if not k.startswith("flow_")}
+    if ablations:  # flow with one mechanism removed
+        variants["flow_no_pool"] = ["run.mode='flow'", f"pool.slots={slots}"]
+        variants["flow_fifo"] = ["run.mode='flow'", "sched.policy='fifo'"]
     return variants
+
+
+def machine_info(note: str = "") -> dict:
+    """What the run measured on, read from the machine (and the user's note, if any)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "measured.loadavg_1min_at_start": os.getloadavg()[0],
+    }
+    if note:
+        info["note"] = note
+    return info
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
 
 
 # ------------------------------------------------------------------- benchmark
@@ -116,24 +164,23 @@ def _variants(slots: int, ablations: bool) -> dict[str, list[str]]:
 def bench(
     cfg: FlowConfig,
     *,
-    reps: int = 5,
+    reps: int = 7,
     workloads: list[str] | None = None,
-    ablations: bool = True,
+    ablations: bool = False,
+    note: str = "",
     log=print,
     partial: str | Path | None = None,
 ) -> dict:
-    """Interleaved benchmark (A B C A B C ...) of the modes on each workload (measured), plus
-    the simulator validated against the measurements and a projection (simulated)."""
+    """Interleaved runs of the variants on each workload (measured), the allocator's prediction
+    beside them, and the simulator validated against them and projected (simulated)."""
     peak = calibrate_matmul_flops()
     result: dict = {
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "note": "shared machine; interleaved",
-        },
+        "machine": machine_info(note),
         "measured.gemm_flops_per_core": peak,
         "config": dataclasses.asdict(cfg),
         "reps": reps,
+        "baseline": BASELINE,
+        "target": TARGET,
         "workloads": {},
     }
     for wl in workloads or list(WORKLOADS):
@@ -148,172 +195,230 @@ def _bench_workload(
 ) -> dict:
     """One workload: warm-up profile, interleaved runs, their summary, the simulator."""
     wcfg = with_sets(cfg, WORKLOADS[wl])
-    plans = make_plans(wcfg, DigitCaptions.from_config(wcfg))
-    fifo_plans = make_plans(
-        with_sets(wcfg, ["sched.policy='fifo'"]), DigitCaptions.from_config(wcfg)
-    )
-    variants = _variants(min_slots(plans, 1, "flow"), ablations)
+    ds = build_dataset(wcfg)
+    variants = _variants(min_slots(make_plans(wcfg, ds), wcfg.run.producers, "flow"), ablations)
     log(f"[{wl}] profiling (measured warm-up)")
     prof = profile(wcfg, 2, wcfg.alloc.profile_steps)
     runs: dict[str, list[dict]] = {k: [] for k in variants}
     for rep in range(reps):
         for name, sets in variants.items():
             vcfg = with_sets(wcfg, sets)
-            vplans = fifo_plans if name == "flow_fifo" else plans
-            res = run(vcfg, vplans)
-            m = measure(vcfg, vplans, res, peak)
+            plans = make_plans(vcfg, ds)
+            load_before = os.getloadavg()[0]
+            res = run(vcfg, plans)
+            m = measure(vcfg, plans, res, peak, ds)
+            m["measured.loadavg_1min_before"] = load_before
             runs[name].append(m)
-            rate = m["measured.samples_per_s"]
-            log(f"[{wl}] rep {rep} {name:13s} {rate:7.1f} samples/s (measured)")
-            if rep == 0 and name in ("monolithic", "sync", "flow"):
+            log(
+                f"[{wl}] rep {rep} {name:13s} {m['measured.samples_per_s']:7.1f} samples/s "
+                f"(measured; load {load_before:.2f} -> {m['measured.loadavg_1min']:.2f})"
+            )
+            if rep == 0 and name in (BASELINE, "sync", "flow"):
                 out = Path(cfg.run.out_dir)
                 out.mkdir(parents=True, exist_ok=True)
                 path = out / f"timeline_{wl}_{name}.png"
                 plot_timeline(res.traces, str(path), f"{wl} {name} (measured)")
     thr = {k: [m["measured.samples_per_s"] for m in v] for k, v in runs.items()}
-    w = _summarize_runs(runs, thr, prof["rho"])
-    w.update(_simulate(wcfg, plans, prof, runs, thr))
+    w = _summarize_runs(runs, thr)
+    w["predicted"] = _prediction(prof["rho"], wcfg.run.producers, wcfg.run.consumers)
+    w["verdict"] = _verdict(w)
+    w.update(_simulate(wcfg, ds, prof, runs, thr))
     return w
 
 
-def _summarize_runs(runs: dict[str, list[dict]], thr: dict[str, list[float]], rho: dict) -> dict:
-    """Throughput statistics, mode ratios, idle breakdown and packing of a workload's runs, with
-    the warm-up rates `rho` they ran under."""
-    ratios = [f / m for f, m in zip(thr["flow"], thr["monolithic"], strict=True)]
+def _summarize_runs(runs: dict[str, list[dict]], thr: dict[str, list[float]]) -> dict:
+    """Throughput statistics, ratios to the fair baseline, idle breakdown, packing and the load
+    each repetition ran under."""
+    base = thr[BASELINE]
+    ratios = {
+        k: {
+            "per_rep": [a / b for a, b in zip(v, base, strict=True)],
+            "of_medians": statistics.median(v) / statistics.median(base),
+            "boot95": _boot_ratio(v, base),
+        }
+        for k, v in thr.items()
+        if k != BASELINE
+    }
     packing = {"bfd": runs["flow"][0]["measured.packing_efficiency"]}
     if "flow_fifo" in runs:
         packing["fifo"] = runs["flow_fifo"][0]["measured.packing_efficiency"]
     flow_loss = runs["flow"][0]["measured.loss"]
     return {
         "measured.samples_per_s": {k: _stats(v) for k, v in thr.items()},
-        "measured.flow_over_monolithic_per_rep": ratios,
-        "measured.flow_over_monolithic_median": statistics.median(ratios),
-        "measured.flow_over_monolithic_boot95": _boot_ratio(thr["flow"], thr["monolithic"]),
-        "measured.sync_over_monolithic_median": statistics.median(
-            [s / m for s, m in zip(thr["sync"], thr["monolithic"], strict=True)]
-        ),
+        f"measured.over_{BASELINE}": ratios,
         "measured.idle_breakdown": {k: _roles_mean(v) for k, v in runs.items()},
         "measured.packing_efficiency": packing,
         "estimated.cpu_mfu_proxy": {
             k: statistics.median(m["estimated.cpu_mfu_proxy"] for m in v) for k, v in runs.items()
         },
-        "measured.rho_samples_per_s": rho,
-        "measured.loadavg_1min": _stats(
-            [m["measured.loadavg_1min"] for v in runs.values() for m in v]
-        ),
+        "measured.loadavg_1min_per_run": {
+            k: [[m["measured.loadavg_1min_before"], m["measured.loadavg_1min"]] for m in v]
+            for k, v in runs.items()
+        },
         "measured.loss_first_last": [flow_loss[0], flow_loss[-1]],
+    }
+
+
+def _prediction(rho: dict, P: int, C: int) -> dict:
+    """The allocator's model at the run's devices (predicted): T = n * rho(1) per module. Flow
+    runs at min(T_enc, T_bb); data parallelism gives each of the P + C replicas both modules,
+    (P + C) / (1/rho_enc + 1/rho_bb). With one device per module flow can at best tie."""
+    re, rb = rho["encoder"][1], rho["backbone"][1]
+    flow = min(P * re, C * rb)
+    dp = (P + C) / (1 / re + 1 / rb)
+    return {
+        "measured.rho_samples_per_s": rho,
+        "predicted.flow_samples_per_s": flow,
+        f"predicted.{BASELINE}_samples_per_s": dp,
+        "predicted.flow_over_baseline": flow / dp,
+        "warnings": collapsed_speedups(rho),
+    }
+
+
+def _verdict(w: dict) -> dict:
+    """Flow against the fair baseline: met when the ratio of medians reaches the target and its
+    bootstrap interval excludes 1."""
+    r = w[f"measured.over_{BASELINE}"]["flow"]
+    return {
+        "target": TARGET,
+        "predicted.ratio": w["predicted"]["predicted.flow_over_baseline"],
+        "measured.ratio_of_medians": r["of_medians"],
+        "measured.boot95": r["boot95"],
+        "predicted_to_meet": w["predicted"]["predicted.flow_over_baseline"] >= TARGET,
+        "met": r["of_medians"] >= TARGET and r["boot95"][0] > 1.0,
     }
 
 
 # ------------------------------------------------------------------- simulator
 
 
-def _simulate(cfg: FlowConfig, plans: list[BatchPlan], prof: dict, runs: dict, thr: dict) -> dict:
-    """Validate the simulator on the real 1+1 runs, then project (simulated)."""
-    ds = DigitCaptions.from_config(cfg)
-    enc_t = _encoder_seconds(prof, ds)
+def _simulate(cfg: FlowConfig, ds: CaptionSet, prof: dict, runs: dict, thr: dict) -> dict:
+    """Validate the simulator on the real runs, then project (simulated)."""
+    call_t = _encoder_call_seconds(prof, ds)
     fit = cost_fit(cfg, prof)
 
     def bin_t(b: list[int]) -> float:  # fitted seconds of a micro-batch (the better model)
         return fit.seconds([ds.sample(s).length for s in b], cfg.sched.capacity)
 
     optim = statistics.median(m["measured.optim_s_per_step"] for m in runs["flow"])
-    kw = dict(enc_s=enc_t, bin_s=bin_t, optim_s=optim, warmup_steps=cfg.run.warmup_steps)
-    sim = _simulate_variants(cfg, plans, prof["rho"], kw)
+    kw = dict(call_s=call_t, bin_s=bin_t, optim_s=optim, warmup_steps=cfg.run.warmup_steps)
+    sim = _simulate_variants(cfg, ds, prof["rho"], kw)
     validation = {
         k: {
-            "simulated.samples_per_s": v.samples_per_s,
+            "simulated.samples_per_s": v,
             "measured.samples_per_s_median": statistics.median(thr[k]),
-            "error": v.samples_per_s / statistics.median(thr[k]) - 1,
+            "error": v / statistics.median(thr[k]) - 1,
         }
         for k, v in sim.items()
         if k in thr
     }
     return {
         "simulated.validation": validation,
-        "simulated.projection": _project(cfg, plans, ds, kw),
+        "simulated.projection": _project(cfg, ds, kw),
         "measured.cost_fit": {"r2": fit.r2, "mape": fit.mape, "best": fit.best},
         "measured.profile": prof,
     }
 
 
-def _encoder_seconds(prof: dict, ds: DigitCaptions) -> Callable[[int], float]:
-    """Encoder seconds per sample id, fitted (NNLS) linear + quadratic in visual tokens."""
+def _encoder_call_seconds(prof: dict, ds: CaptionSet) -> Callable[[list[int]], float]:
+    """Encoder seconds of a call (its sample ids), fitted (NNLS) on the profile's calls as
+    a * sum(n) + b * sum(n^2) + c: linear layers, per-image attention, per-call overhead."""
     from scipy.optimize import nnls
 
-    n = np.asarray(prof["enc_tokens"], dtype=float)
-    X = np.stack([n, n**2, np.ones_like(n)], 1)
+    def features(ns: list[int]) -> np.ndarray:
+        n = np.asarray(ns, dtype=float)
+        return np.array([n.sum(), (n**2).sum(), 1.0])
+
+    X = np.stack([features(c) for c in prof["enc_calls"]])
     scale = X.max(0)
-    a = nnls(X / scale, np.asarray(prof["enc_seconds"]))[0] / scale
-
-    def enc_t(sid: int) -> float:
-        n_vis = ds.sample(sid).n_visual
-        return float(a @ np.array([n_vis, n_vis**2, 1.0]))
-
-    return enc_t
+    coef = nnls(X / scale, np.asarray(prof["enc_call_seconds"]))[0] / scale
+    return lambda sids: float(coef @ features([ds.sample(s).n_visual for s in sids]))
 
 
-def _simulate_variants(cfg: FlowConfig, plans: list[BatchPlan], rho: dict, kw: dict) -> dict:
-    """The measured variants at 1+1 workers (simulated), to validate against the runs."""
-    sp_e = rho["encoder"][2] / rho["encoder"][1]  # measured 2-thread speed-ups
-    sp_b = rho["backbone"][2] / rho["backbone"][1]
-    enc_t, bin_t = kw["enc_s"], kw["bin_s"]
+def _sim(plans: list[BatchPlan], kw: dict, **extra) -> float:
+    """Simulated samples/s of flow or sync (`extra` has mode, producers, slots)."""
+    enc_s = charge_calls(plans, kw["call_s"])
+    return simulate(
+        plans,
+        enc_s=enc_s,
+        bin_s=kw["bin_s"],
+        optim_s=kw["optim_s"],
+        warmup_steps=kw["warmup_steps"],
+        **extra,
+    ).samples_per_s
+
+
+def _sim_mono(plans: list[BatchPlan], kw: dict, replicas: int, speedup=(1.0, 1.0)) -> float:
+    """Simulated samples/s of lockstep data parallelism over `replicas` replicas (threads per
+    replica folded in as the measured speed-ups of encoder and backbone)."""
+    enc_s = charge_calls(plans, kw["call_s"])
+    return simulate_monolithic(
+        plans,
+        enc_s=lambda s: enc_s(s) / speedup[0],
+        bin_s=lambda b: kw["bin_s"](b) / speedup[1],
+        optim_s=kw["optim_s"],
+        replicas=replicas,
+        warmup_steps=kw["warmup_steps"],
+    ).samples_per_s
+
+
+def _simulate_variants(cfg: FlowConfig, ds: CaptionSet, rho: dict, kw: dict) -> dict:
+    """The measured variants at their real process counts (simulated), to validate."""
+    plans = make_plans(cfg, ds)
+    P = cfg.run.producers
+    dp_cfg = with_sets(cfg, [f"run.mode='{BASELINE}'"])
+    # the single process uses the profile's 2-thread speed-ups, which a busy machine distorts
+    speedup = (rho["encoder"][2] / rho["encoder"][1], rho["backbone"][2] / rho["backbone"][1])
     return {
-        "flow": simulate(plans, mode="flow", producers=1, slots=cfg.pool.slots, **kw),
-        "sync": simulate(plans, mode="sync", producers=1, slots=cfg.pool.slots, **kw),
-        "monolithic_1t": simulate_monolithic(plans, **kw),
-        # uses the profile's 2-thread speed-ups, which a loaded machine makes unreliable
-        "monolithic": simulate_monolithic(
-            plans,
-            enc_s=lambda s: enc_t(s) / sp_e,
-            bin_s=lambda b: bin_t(b) / sp_b,
-            optim_s=kw["optim_s"],
-            warmup_steps=kw["warmup_steps"],
-        ),
+        "flow": _sim(plans, kw, mode="flow", producers=P, slots=cfg.pool.slots),
+        "sync": _sim(plans, kw, mode="sync", producers=P, slots=cfg.pool.slots),
+        BASELINE: _sim_mono(make_plans(dp_cfg, ds), kw, P + cfg.run.consumers),
+        "monolithic": _sim_mono(plans, kw, 1, speedup),
     }
 
 
-def _project(cfg: FlowConfig, plans: list[BatchPlan], ds: DigitCaptions, kw: dict) -> dict:
-    """Projection to larger budgets R. The allocator gets the rates of the same per-sample models
-    the simulator uses, so plan and simulation agree on the workload; every plan at a given R
-    sees the same global batch (4 R samples); replicas run one thread each and scale linearly
-    (assumed)."""
-    enc_t, bin_t = kw["enc_s"], kw["bin_s"]
-    ids = [i for k in range(cfg.run.steps) for i in ds.batch_ids(k)]
-    rho_e = len(ids) / sum(enc_t(i) for i in ids)
-    rho_b = len(ids) / sum(bin_t(b) for pl in plans for bins in pl.rank_bins for b in bins)
+def _project(cfg: FlowConfig, ds: CaptionSet, kw: dict) -> dict:
+    """Projection to larger budgets R. The allocator gets the rates of the same per-call and
+    per-micro-batch models the simulator uses, so plan and simulation agree on the workload;
+    every plan at a given R sees the same global batch (4 R samples); a device is one
+    one-thread worker, and replicas scale linearly (assumed)."""
+    plans = make_plans(cfg, ds)
+    ids = [i for pl in plans for i, _ in pl.consume_order()]
+    enc_s = charge_calls(plans, kw["call_s"])
+    rho_e = len(ids) / sum(enc_s(i) for i in ids)
+    rho_b = len(ids) / sum(kw["bin_s"](b) for pl in plans for bins in pl.rank_bins for b in bins)
     r1 = {"encoder": {1: rho_e}, "backbone": {1: rho_b}}
     return {R: _projection_row(cfg, R, r1, dict(kw, warmup_steps=1)) for R in PROJECTION_BUDGETS}
 
 
 def _projection_row(cfg: FlowConfig, R: int, r1: dict, kw: dict) -> dict:
     """At budget R: the allocator's plan and an even split, each simulated in flow mode (and the
-    plan in sync mode), against R monolithic one-thread data-parallel replicas."""
-    milp, even = solve_milp(r1, R), even_split(r1, R)
+    plan in sync mode), against monolithic data parallelism over R one-thread replicas."""
+    gb = 4 * R
+    milp, even = solve_milp(r1, R, gb), even_split(r1, R, gb)
     row: dict = {
         "milp_plan": [milp.encoder.replicas, milp.backbone.replicas],
+        "even_plan": [even.encoder.replicas, even.backbone.replicas],
         "predicted.milp_G_samples_per_s": milp.G,
         "predicted.even_G_samples_per_s": even.G,
     }
-    base = [f"data.global_batch={4 * R}", "run.steps=4", "run.warmup_steps=1"]
+    base = [f"data.global_batch={gb}", "run.steps=4", "run.warmup_steps=1"]
     for name, plan_ in (("milp", milp), ("even", even)):
         P, C = plan_.encoder.replicas, plan_.backbone.replicas
         pcfg = with_sets(cfg, [*base, f"run.consumers={C}", f"run.producers={P}"])
-        pplans = make_plans(pcfg, DigitCaptions.from_config(pcfg))
+        pplans = make_plans(pcfg, build_dataset(pcfg))
         slots = max(min_slots(pplans, P, "sync"), cfg.pool.slots)
-        row[f"simulated.flow_{name}_samples_per_s"] = simulate(
-            pplans, mode="flow", producers=P, slots=slots, **kw
-        ).samples_per_s
+        row[f"simulated.flow_{name}_samples_per_s"] = _sim(
+            pplans, kw, mode="flow", producers=P, slots=slots
+        )
         if name == "milp":
-            row["simulated.sync_samples_per_s"] = simulate(
-                pplans, mode="sync", producers=P, slots=slots, **kw
-            ).samples_per_s
-    # monolithic data parallelism: R one-thread replicas, each encoder + backbone
+            row["simulated.sync_samples_per_s"] = _sim(
+                pplans, kw, mode="sync", producers=P, slots=slots
+            )
     mcfg = with_sets(cfg, [*base, f"run.consumers={R}"])
-    mplans = make_plans(mcfg, DigitCaptions.from_config(mcfg))
-    row["simulated.monolithic_1t_dp_samples_per_s"] = simulate_monolithic(
-        mplans, replicas=R, **kw
-    ).samples_per_s
+    mono = _sim_mono(make_plans(mcfg, build_dataset(mcfg)), kw, R)
+    row[f"simulated.{BASELINE}_samples_per_s"] = mono
+    row["simulated.flow_over_baseline"] = row["simulated.flow_milp_samples_per_s"] / mono
     return row
 
 
@@ -327,11 +432,13 @@ def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=p
     wcfg = with_sets(cfg, WORKLOADS[workload])
     prof = profile(wcfg, 1, wcfg.alloc.profile_steps)
     rho = {"encoder": {1: prof["rho"]["encoder"][1]}, "backbone": {1: prof["rho"]["backbone"][1]}}
-    plans_ = {"milp": solve_milp(rho, budget), "even": even_split(rho, budget)}
+    gb = wcfg.data.global_batch
+    plans_ = {"milp": solve_milp(rho, budget, gb), "even": even_split(rho, budget, gb)}
     out: dict = {
+        "machine": machine_info(),
         "workload": workload,
         "budget": budget,
-        "oversubscribed": budget > (os.cpu_count() or 1),
+        "oversubscribed": budget > len(os.sched_getaffinity(0)),
         "measured.rho_samples_per_s": rho,
     }
     thr: dict[str, list[float]] = {k: [] for k in plans_}
@@ -345,7 +452,7 @@ def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=p
                     f"run.consumers={p.backbone.replicas}",
                 ],
             )
-            pl = make_plans(vcfg, DigitCaptions.from_config(vcfg))
+            pl = make_plans(vcfg, build_dataset(vcfg))
             m = measure(vcfg, pl, run(vcfg, pl), 0.0)
             thr[name].append(m["measured.samples_per_s"])
             log(
@@ -361,13 +468,13 @@ def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=p
 
 
 def table(result: dict) -> str:
-    """The printed summary: one row per workload x variant."""
+    """The printed summary: one row per workload x variant, then the verdict and projection."""
     lines = [
         f"{'workload':15s} {'variant':13s} {'samples/s median':>17s} {'IQR':>15s} "
-        f"{'x mono':>7s}  idle (consumer starv/barrier, producer backpr/barrier)"
+        f"{'x ' + BASELINE:>16s}  idle (consumer starv/barrier, producer backpr/barrier)"
     ]
     for wl, w in result["workloads"].items():
-        mono = w["measured.samples_per_s"]["monolithic"]["median"]
+        base = w["measured.samples_per_s"][BASELINE]["median"]
         for name, s in w["measured.samples_per_s"].items():
             roles = w["measured.idle_breakdown"][name]
             idle = ""
@@ -379,14 +486,37 @@ def table(result: dict) -> str:
                 )
             lines.append(
                 f"{wl:15s} {name:13s} {s['median']:17.1f} "
-                f"{s['iqr'][0]:7.1f}-{s['iqr'][1]:<7.1f} {s['median'] / mono:7.2f}  "
-                f"{idle}"
+                f"{s['iqr'][0]:7.1f}-{s['iqr'][1]:<7.1f} {s['median'] / base:16.2f}  {idle}"
             )
     lines.append(
-        "all throughput figures measured on this machine (median of "
-        f"{result['reps']} interleaved repetitions)"
+        f"throughput measured on this machine: median of {result['reps']} interleaved "
+        "repetitions; the load average before and after each run is in the JSON"
     )
+    lines += [_verdict_line(wl, w) for wl, w in result["workloads"].items() if "verdict" in w]
+    lines += [_projection_line(wl, w) for wl, w in result["workloads"].items() if "verdict" in w]
     return "\n".join(lines)
+
+
+def _verdict_line(wl: str, w: dict) -> str:
+    v = w["verdict"]
+    lo, hi = v["measured.boot95"]
+    met = "met" if v["met"] else "not met"
+    return (
+        f"{wl}: flow / {BASELINE} = {v['measured.ratio_of_medians']:.2f} (measured, 95% "
+        f"{lo:.2f}-{hi:.2f}); the allocator predicted {v['predicted.ratio']:.2f}; "
+        f"target {v['target']}x {met}"
+    )
+
+
+def _projection_line(wl: str, w: dict) -> str:
+    proj = w["simulated.projection"]
+    cells = [
+        f"R={R}: {proj[R]['simulated.flow_over_baseline']:.2f}x "
+        f"({'+'.join(map(str, proj[R]['milp_plan']))})"
+        for R in (8, 64)
+        if R in proj
+    ]
+    return f"{wl}: flow / {BASELINE} projected (simulated) " + ", ".join(cells)
 
 
 def write(result: dict, path: str | Path) -> Path:
@@ -402,7 +532,7 @@ def stamp() -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/flow.py", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="examples/flow.toml", help="TOML config file")
+    p.add_argument("--config", default="examples/flow_vlm.toml", help="TOML config file")
     p.add_argument(
         "--set",
         action="append",
@@ -410,13 +540,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set run.steps=4 (repeatable)",
     )
-    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
+    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions (at least 1)")
     p.add_argument(
         "--workloads",
         default="encoder_heavy,backbone_heavy",
         help=f"comma-separated workload names ({', '.join(WORKLOADS)})",
     )
-    p.add_argument("--no-ablations", action="store_true", help="only the three modes")
+    p.add_argument("--ablations", action="store_true", help="also flow_no_pool and flow_fifo")
+    p.add_argument("--note", default="", help="a note on the conditions, kept in the JSON")
     p.add_argument("--out", default="", help="JSON path (default benchmarks/results/)")
     p.add_argument(
         "--alloc-check",
@@ -435,6 +566,9 @@ def main(argv: list[str]) -> int:
         if args.reps < 1:
             raise ConfigError(f"--reps = {args.reps}: must be at least 1")
         workloads = args.workloads.split(",")
+        unknown = [w for w in workloads if w not in WORKLOADS]
+        if unknown:
+            raise ConfigError(f"--workloads = {args.workloads!r}: choose from {list(WORKLOADS)}")
         if args.alloc_check:
             res = alloc_check(cfg, workload=workloads[0], budget=args.alloc_check, reps=args.reps)
             print(json.dumps(res, indent=1, default=float))
@@ -445,7 +579,8 @@ def main(argv: list[str]) -> int:
                 cfg,
                 reps=args.reps,
                 workloads=workloads,
-                ablations=not args.no_ablations,
+                ablations=args.ablations,
+                note=args.note,
                 partial=out,
             )
             print(table(res))
