@@ -26,6 +26,7 @@ a temporary name); its `.metadata` comes last.
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import torch
@@ -112,7 +113,9 @@ def load(w, ckpt_dir: Path, replica: int) -> dict:
         zeros = [torch.zeros_like(local[i]) for i in moved]
         state["momentum"] = _global(params, [names[i] for i in moved], zeros)
     if shards is None:
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=path, no_dist=True)
     else:
         dcp.load(state, checkpoint_id=path, process_group=shards.group)
     set_state_dict(
