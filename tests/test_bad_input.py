@@ -141,6 +141,23 @@ TRAIN = [
         ["--inner-optimizer", "forge-adamw", "--set", "run.dtype=bf16"],
         "run.dtype = 'bf16': FORGE updates weights inside backward",
     ),
+    ("shards-0", ["--shards", "0"], "run.shards = 0: must be at least 1"),
+    ("shards-word", ["--shards", "two"], "argument --shards: invalid int value"),
+    (
+        "shards-batch",
+        ["--shards", "3"],
+        "data.batch_size = 16: must be a multiple of run.shards = 3",
+    ),
+    (
+        "shards-forge",
+        ["--shards", "2", "--inner-optimizer", "forge-adamw"],
+        "optim.name = 'forge-adamw': FORGE updates whole weights inside backward",
+    ),
+    (
+        "shards-ddp",
+        ["--shards", "2", "--outer", "ddp"],
+        "outer.strategy = 'ddp': ddp averages gradients every step",
+    ),
     ("inject-needs-ft", ["--set", "run.inject='drop:p=0.1'"], "set run.fault_tolerance = true"),
     ("inject-kind", ["--inject", "explode:worker=1"], "unknown fault 'explode'"),
     ("inject-worker", ["--inject", "kill:worker=9,round=1"], "kill names worker 9"),
@@ -205,6 +222,11 @@ RESUME = [
     ("changed-model", ["--set", "model.n_embd=64"], "different model/data/optim/outer config"),
     ("changed-workers", ["--workers", "2"], "written by 1 workers but run.workers = 2"),
     ("changed-seed", ["--set", "run.seed=3"], "different model/data/optim/outer config or seed"),
+    (
+        "reshard-sparse-feedback",
+        ["--shards", "2", "--set", "outer.codec='topk:0.1'"],
+        "outer.codec = 'topk:0.1' keeps each shard's unsent residual",
+    ),
     ("bad-key", ["--set", "outer.Hh=1"], "unknown key outer.Hh"),
 ]
 

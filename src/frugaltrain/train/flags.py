@@ -18,6 +18,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (see examples/)")
     add_set_flag(p)
     p.add_argument("--workers", type=int, help="shortcut for --set run.workers=N")
+    p.add_argument(
+        "--shards", type=int, help="processes per worker, FSDP2 inside it (run.shards=N)"
+    )
     p.add_argument("--outer", help="shortcut for --set outer.strategy=NAME")
     p.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
     p.add_argument("-H", type=int, dest="H", help="shortcut for --set outer.H=N")
@@ -54,6 +57,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     sets = []
     for flag, key in (
         ("workers", "run.workers"),
+        ("shards", "run.shards"),
         ("outer", "outer.strategy"),
         ("steps", "run.steps"),
         ("name", "run.name"),
