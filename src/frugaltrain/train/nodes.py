@@ -64,7 +64,9 @@ def torchrun_command(
         raise ConfigError("--baseline runs a second local run; launch the baseline on its own")
     check_torchrun(cfg)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}"]
-    cmd += [f"--nproc-per-node={cfg.run.workers // nodes}", "--rdzv-backend=c10d"]
+    # A worker is run.shards processes with consecutive ranks: whole replicas on each machine.
+    per_node = cfg.run.workers * cfg.run.shards // nodes
+    cmd += [f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
     cmd += [f"--rdzv-endpoint={rdzv}", f"--rdzv-id=frugaltrain-{cfg.run.name}"]
     # Machine 0 hosts the rendezvous store; said explicitly, not guessed from host names.
     cmd += [f"--rdzv-conf=is_host={int(node_rank == 0)}", f"--max-restarts={cfg.run.max_restarts}"]
