@@ -32,14 +32,15 @@ _JSON = (".jsonl", ".json")
 _PARQUET = (".parquet",)
 
 
-def require_hf(module: str) -> ModuleType:
-    """Import a module of the `hf` extra, or say how to install it."""
+def require_hf(
+    module: str, *, user: str = "frugaltrain's tokenizer and token shards", extra: str = "hf"
+) -> ModuleType:
+    """Import a module of an extra (the `hf` one unless told), or say how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
-            f"frugaltrain's tokenizer and token shards need {module.split('.')[0]!r}: "
-            "pip install 'frugaltrain[hf]'"
+            f"{user} need {module.split('.')[0]!r}: pip install 'frugaltrain[{extra}]'"
         ) from e
 
 

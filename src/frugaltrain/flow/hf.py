@@ -17,7 +17,6 @@ backbone width, V vocabulary.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from types import ModuleType
@@ -27,18 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from frugaltrain.config import ConfigError
+from frugaltrain.data.sources import require_hf
 from frugaltrain.flow.models import pack_samples, projector
 
 
 def require(module: str) -> ModuleType:
     """Import a module of the flow extra (transformers, datasets, PIL), or say how to get it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"FlowTrain's transformers modules and image data need {module.split('.')[0]!r}: "
-            "pip install 'frugaltrain[flow]'"
-        ) from e
+    return require_hf(module, user="FlowTrain's transformers modules and image data", extra="flow")
 
 
 class VisionTower(nn.Module):
