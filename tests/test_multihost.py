@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 from gloo_pool import free_port
 
 from frugaltrain.cli import main
-from frugaltrain.config import ConfigError, to_toml
+from frugaltrain.config import Config, ConfigError, to_toml
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.sim import SimSection, simulate
 from frugaltrain.train import checkpoint, launch, nodes
@@ -132,43 +133,81 @@ def _kill_one_worker(agents: list[subprocess.Popen]) -> dict[str, str]:
     return env
 
 
-def test_two_node_agents_survive_a_killed_worker_and_resume_exactly(make_config, tmp_path):
-    out = tmp_path / "runs"
-    cfg = make_config(*SETS, f"run.out_dir={str(out)!r}")
-    config_file = tmp_path / "mh.toml"
-    config_file.write_text(to_toml(cfg))
-    run_dir = out / "mh"
-    agents = []
+@dataclass
+class FirstLaunch:
+    """What the first launch left: its config and directory, and what was seen right after."""
+
+    cfg: Config
+    root: Path
+    run_dir: Path
+    killed: dict[str, str]  # the killed worker's environment
+    logs: list[str]  # each agent's output
+    dirs: list[str]  # the run directories under run.out_dir
+    rounds: list[int]  # the round records then in metrics.jsonl
+    manifest: dict  # the COMPLETE manifest of the last checkpoint
+
+
+@pytest.fixture(scope="module")
+def first_launch(config_factory, tmp_path_factory) -> FirstLaunch:
+    """Two node agents (plain torchrun, --max-restarts 1) train to round 5; node 1's worker is
+    SIGKILLed after the first checkpoint."""
+    root = tmp_path_factory.mktemp("multihost")
+    cfg = config_factory(root / "runs", *SETS)
+    (root / "mh.toml").write_text(to_toml(cfg))
+    run_dir = root / "runs" / "mh"
+    args = ["--config", str(root / "mh.toml"), "--set", "run.stop_at_round=5"]
+    agents = _node_agents(args, root, "first", wrapper=False)
     try:
-        # First launch, to round 5; a worker of node 1 dies after the first checkpoint.
-        first = ["--config", str(config_file), "--set", "run.stop_at_round=5"]
-        agents = _node_agents(first, tmp_path, "first", wrapper=False)
         _wait_for(run_dir / "checkpoints" / "round_000001" / "COMPLETE", agents)
         killed = _kill_one_worker(agents)
-        logs = _finish(agents, tmp_path, "first")
-        assert f"local_rank: {killed['LOCAL_RANK']}" in logs[1] and "exitcode: -9" in logs[1]
-        assert "resuming from round_00000" in "".join(logs)  # rank 0 says where it went on
-        assert [p.name for p in out.iterdir()] == ["mh"]  # the restart kept the directory
-        stopped = checkpoint.latest_complete(run_dir)
-        assert stopped.name == "round_000005"
-        manifest = json.loads((stopped / "COMPLETE").read_text())  # written by both nodes
-        assert sorted(manifest["files"]) == [f"worker_{r}.pt" for r in range(WORKERS)]
-        checkpoint.verify(stopped)
-
-        # Second launch, with --resume to the end, by `frugaltrain train --nodes` this time.
-        agents = _node_agents(["--resume", str(run_dir)], tmp_path, "second", wrapper=True)
-        logs = _finish(agents, tmp_path, "second")
-        assert "[launcher] machine 1 of 2: torchrun --nnodes=2 --nproc-per-node=1" in logs[1]
-        assert "resuming from round_000005" in "".join(logs)
+        logs = _finish(agents, root, "first")
     finally:
         _stop(agents)
-    assert checkpoint.latest_complete(run_dir).name == "round_000008"
-    records = read_metrics(run_dir / "metrics.jsonl")
+    last = checkpoint.latest_complete(run_dir)
+    checkpoint.verify(last)
+    return FirstLaunch(
+        cfg=cfg,
+        root=root,
+        run_dir=run_dir,
+        killed=killed,
+        logs=logs,
+        dirs=[p.name for p in (root / "runs").iterdir()],
+        rounds=[
+            r["round"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "round"
+        ],
+        manifest=json.loads((last / "COMPLETE").read_text()),
+    )
+
+
+def test_two_node_agents_survive_a_killed_worker(first_launch):
+    run = first_launch
+    assert f"local_rank: {run.killed['LOCAL_RANK']}" in run.logs[1]
+    assert "exitcode: -9" in run.logs[1]  # torchrun saw its worker killed, and restarted
+    assert "resuming from round_00000" in "".join(run.logs)  # rank 0 says where it went on
+    assert run.dirs == ["mh"]  # the restart kept the run directory
+    assert run.manifest["round"] == 5  # both nodes wrote this one, listing every worker
+    assert sorted(run.manifest["files"]) == [f"worker_{r}.pt" for r in range(WORKERS)]
+    assert run.rounds == [1, 2, 3, 4, 5]  # each round logged once, redone rounds included
+
+
+def test_two_node_agents_resume_exactly(first_launch):
+    """The same two machines resume the stopped run to its end, by `frugaltrain train --nodes`
+    this time; equal, bit for bit, to the simulation of the whole run."""
+    run = first_launch
+    agents = _node_agents(["--resume", str(run.run_dir)], run.root, "second", wrapper=True)
+    try:
+        logs = _finish(agents, run.root, "second")
+    finally:
+        _stop(agents)
+    assert "[launcher] machine 1 of 2: torchrun --nnodes=2 --nproc-per-node=1" in logs[1]
+    assert "resuming from round_000005" in "".join(logs)
+    final = checkpoint.latest_complete(run.run_dir)
+    assert final.name == "round_000008"
+    records = read_metrics(run.run_dir / "metrics.jsonl")
     assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 9))
     assert [r["step"] for r in records if r.get("kind") == "step"] == list(range(1, 49))
 
-    reference = simulate(cfg, SimSection(ratio=0.887), tmp_path / "sim")
-    final = checkpoint.latest_complete(run_dir)
+    reference = simulate(run.cfg, SimSection(ratio=0.887), run.root / "sim")
     for rank, model in enumerate(reference.models):
         state = torch.load(final / f"worker_{rank}.pt", weights_only=False)
         assert state["step"] == 48
