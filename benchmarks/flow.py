@@ -75,6 +75,8 @@ WORKLOADS = {
 BASELINE = "monolithic_dp"  # the verdict's reference: what a user with these cores would run
 TARGET = 1.2  # flow / fair baseline
 PROJECTION_BUDGETS = (2, 4, 8, 16, 32, 64)  # R: devices of the simulated projection
+PER_DEVICE = 4  # samples per device per step in the projection (global batch = 4 R)
+SENSITIVITY = ((1, 2, 4, 8), (8, 64))  # samples per device per step x R, flow / baseline only
 
 
 def with_sets(cfg: FlowConfig, sets: list[str]) -> FlowConfig:
@@ -312,11 +314,14 @@ def _simulate(cfg: FlowConfig, ds: CaptionSet, prof: dict, runs: dict, thr: dict
         for k, v in sim.items()
         if k in thr
     }
+    projection, sensitivity = _project(cfg, ds, kw)
     return {
         "simulated.validation": validation,
-        "simulated.projection": _project(cfg, ds, kw),
+        "simulated.projection": projection,
+        "simulated.flow_over_baseline_by_samples_per_device": sensitivity,
         "measured.cost_fit": {"r2": fit.r2, "mape": fit.mape, "best": fit.best},
         "measured.profile": prof,
+        "measured.optim_s_per_step": optim,
     }
 
 
@@ -380,7 +385,7 @@ def _simulate_variants(cfg: FlowConfig, ds: CaptionSet, rho: dict, kw: dict) -> 
 def _project(cfg: FlowConfig, ds: CaptionSet, kw: dict) -> dict:
     """Projection to larger budgets R. The allocator gets the rates of the same per-call and
     per-micro-batch models the simulator uses, so plan and simulation agree on the workload;
-    every plan at a given R sees the same global batch (4 R samples); a device is one
+    every plan at a given R sees the same global batch (PER_DEVICE * R samples); a device is one
     one-thread worker, and replicas scale linearly (assumed)."""
     plans = make_plans(cfg, ds)
     ids = [i for pl in plans for i, _ in pl.consume_order()]
@@ -388,17 +393,28 @@ def _project(cfg: FlowConfig, ds: CaptionSet, kw: dict) -> dict:
     rho_e = len(ids) / sum(enc_s(i) for i in ids)
     rho_b = len(ids) / sum(kw["bin_s"](b) for pl in plans for bins in pl.rank_bins for b in bins)
     r1 = {"encoder": {1: rho_e}, "backbone": {1: rho_b}}
-    return {R: _projection_row(cfg, R, r1, dict(kw, warmup_steps=1)) for R in PROJECTION_BUDGETS}
+    kw = dict(kw, warmup_steps=1)
+    return {R: _projection_row(cfg, R, r1, kw, PER_DEVICE) for R in PROJECTION_BUDGETS}, {
+        per: {
+            R: {
+                k: v
+                for k, v in _projection_row(cfg, R, r1, kw, per).items()
+                if k in ("milp_plan", "simulated.flow_over_baseline")
+            }
+            for R in SENSITIVITY[1]
+        }
+        for per in SENSITIVITY[0]
+    }
 
 
-def _projection_row(cfg: FlowConfig, R: int, r1: dict, kw: dict) -> dict:
+def _projection_row(cfg: FlowConfig, R: int, r1: dict, kw: dict, per_device: int) -> dict:
     """At budget R: the allocator's plan and an even split, each simulated in flow mode (and the
     plan in sync mode), against monolithic data parallelism over R one-thread replicas.
 
     The paper's pruning (a backbone replica count must divide the global batch) is left out:
     the runtime deals packed micro-batches, not samples, to ranks, so any count works, and with
     a batch of 4 R the rule would leave up to half the devices idle."""
-    gb = 4 * R
+    gb = per_device * R
     milp, even = solve_milp(r1, R), even_split(r1, R)
     row: dict = {
         "milp_plan": [milp.encoder.replicas, milp.backbone.replicas],
@@ -498,6 +514,8 @@ def table(result: dict) -> str:
     )
     lines += [_verdict_line(wl, w) for wl, w in result["workloads"].items() if "verdict" in w]
     lines += [_projection_line(wl, w) for wl, w in result["workloads"].items() if "verdict" in w]
+    key = "simulated.flow_over_baseline_by_samples_per_device"
+    lines += [_sensitivity_line(wl, w[key]) for wl, w in result["workloads"].items() if key in w]
     return "\n".join(lines)
 
 
@@ -521,6 +539,15 @@ def _projection_line(wl: str, w: dict) -> str:
         if R in proj
     ]
     return f"{wl}: flow / {BASELINE} projected (simulated) " + ", ".join(cells)
+
+
+def _sensitivity_line(wl: str, by_per: dict) -> str:
+    cells = [
+        f"{per}/device: "
+        + ", ".join(f"R={R} {row['simulated.flow_over_baseline']:.2f}x" for R, row in rows.items())
+        for per, rows in by_per.items()
+    ]
+    return f"{wl}: flow / {BASELINE} by samples per device per step (simulated) " + "; ".join(cells)
 
 
 def write(result: dict, path: str | Path) -> Path:

@@ -88,14 +88,19 @@ def test_table_has_one_row_per_variant(flow_bench) -> None:
                     8: {"simulated.flow_over_baseline": 1.25, "milp_plan": [5, 3]},
                     64: {"simulated.flow_over_baseline": 1.4, "milp_plan": [40, 24]},
                 },
+                "simulated.flow_over_baseline_by_samples_per_device": {
+                    1: {8: {"simulated.flow_over_baseline": 1.3}},
+                    4: {8: {"simulated.flow_over_baseline": 1.25}},
+                },
             }
         },
     }
     lines = flow_bench.table(result).splitlines()
-    assert len(lines) == 6  # header, two variants, footnote, verdict, projection
+    assert len(lines) == 7  # header, two variants, footnote, verdict, projection, sensitivity
     assert lines[2].split()[:5] == ["encoder_heavy", "flow", "150.0", "149.0-151.0", "1.50"]
     assert "c 0.10/0.20  p 0.30/0.20" in lines[2]
     assert "median of 3 interleaved repetitions" in lines[3]
     assert "= 1.50 (measured, 95% 1.10-1.90); the allocator predicted 0.80" in lines[4]
     assert lines[4].endswith("target 1.2x met")
     assert "R=8: 1.25x (5+3), R=64: 1.40x (40+24)" in lines[5]
+    assert lines[6].endswith("1/device: R=8 1.30x; 4/device: R=8 1.25x")

@@ -175,7 +175,8 @@ def encoder_width(cfg) -> int:
         from frugaltrain.flow.hf import pretrained_config
 
         config = pretrained_config(cfg.model.encoder_pretrained, "model.encoder_pretrained")
-        return int(config["hidden_size"])
+        # a tower's own directory, or a whole SigLIP/CLIP one whose tower config is nested
+        return int(config.get("hidden_size") or config["vision_config"]["hidden_size"])
     return cfg.model.enc_dim
 
 

@@ -120,7 +120,7 @@ class ShmPool(_PoolShape):
             if t.is_pinned():
                 continue
             err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if err != cudart.cudaError.success:
+            if int(err) != 0:  # cudaSuccess
                 raise RuntimeError(f"pool: cudaHostRegister of a {tuple(t.shape)} slab: {err}")
 
     def producer(self, p: int, tracer=None) -> _ShmProducer:

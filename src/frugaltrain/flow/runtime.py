@@ -162,11 +162,11 @@ class _Lockstep:
     tr: Tracer
 
     @classmethod
-    def build(cls, cfg: FlowConfig, role: str) -> _Lockstep:
+    def build(cls, cfg: FlowConfig, tr: Tracer) -> _Lockstep:
         ds, dev = build_dataset(cfg), _device(cfg)
         enc, cons = build_encoder(cfg).to(dev), build_consumer(cfg, ds).to(dev)
         enc.requires_grad_(cfg.run.train_encoder)
-        return cls(cfg, ds, enc, cons, Tracer(role))
+        return cls(cfg, ds, enc, cons, tr)
 
     def step(self, k: int, plan: BatchPlan, ranks: list[int], producers: int) -> float:
         """Forward and backward of `ranks`' micro-batches of batch k (gradients accumulate; no
@@ -199,7 +199,7 @@ class _Lockstep:
 
 
 def _monolithic(cfg: FlowConfig, plans: list[BatchPlan]) -> RunResult:
-    m = _Lockstep.build(cfg, "mono")
+    m = _Lockstep.build(cfg, Tracer("mono"))
     enc_opt, cons_opt = _opt(m.enc, cfg), _opt(m.cons, cfg)
     losses = []
     for k, plan in enumerate(plans):
@@ -217,8 +217,7 @@ def _replica(cfg: FlowConfig, plans: list[BatchPlan], r: int, group, tr: Tracer,
     """One monolithic_dp replica: its rank's micro-batches, then all-reduce and step."""
     import torch.distributed as dist
 
-    m = _Lockstep.build(cfg, tr.role)
-    m.tr = tr
+    m = _Lockstep.build(cfg, tr)
     enc_opt, cons_opt = _opt(m.enc, cfg), _opt(m.cons, cfg)
     losses = []
     for k, plan in enumerate(plans):
