@@ -144,10 +144,11 @@ def table(rows: list[dict], H: int, methods: list[str], seeds: list[int]) -> str
         got = [by[m, s] for s in seeds if (m, s) in by]
         if not got:
             continue
-        ratio = [g["loss_val"] / by["diloco", g["seed"]]["loss_val"] for g in got]
+        ref = [by.get(("diloco", g["seed"])) for g in got]
+        ratio = [g["loss_val"] / r["loss_val"] for g, r in zip(got, ref, strict=True) if r]
         cells = [_ms([g["loss_val"] for g in got], ".4f")]
         cells.append(_ms([g["loss_val_avg_model"] for g in got], ".4f"))
-        cells.append(_ms(ratio, ".4f") if m != "diloco" else "-")
+        cells.append(_ms(ratio, ".4f") if m != "diloco" and ratio else "-")
         lines.append(
             f"{m:<34}{cells[0]:>18}{cells[1]:>18}{cells[2]:>17}{got[0]['util_r0887']:>12.3f}"
         )
@@ -165,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--methods", default="diloco,GlobalM1,GlobalM1LocalM2,M2pairs:embed+head+blocks:1"
     )
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=METHOD,KEY=VALUE")
+    ap.add_argument(
+        "--no-reference", action="store_true", help="no DiLoCo run (a grid's cells, no ratios)"
+    )
     ap.add_argument("--runtime", choices=("real", "sim"), default="real")
     ap.add_argument("--evals", type=int, default=10, help="evaluations per run")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
@@ -180,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         base, *sets = rest.split(",")
         variants[name] = [*method_overrides(base), *sets]
     methods = [m for m in args.methods.split(",") if m] + list(variants)
-    methods = ["diloco"] + [m for m in methods if m != "diloco"]
+    if not args.no_reference:  # the ratios are to DiLoCo's run of the same seed
+        methods = ["diloco"] + [m for m in methods if m != "diloco"]
     seeds, Hs = [int(s) for s in args.seeds.split(",")], [int(h) for h in args.H.split(",")]
     ensure_shards(args.data)
     raw, rows = base_config(args.model, args.data), []
