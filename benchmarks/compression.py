@@ -116,12 +116,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runtime", choices=("real", "sim"), default="sim")
     ap.add_argument("--set", action="append", default=[], help="extra config overrides")
     ap.add_argument("--out", default="benchmarks/results/compression.json")
+    ap.add_argument(
+        "--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSONs, no run"
+    )
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     methods, codecs = args.methods.split(","), args.codecs.split(",")
+    if args.table:  # e.g. seeds run apart, one table
+        rows = [r for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
+        print(table(rows, methods, codecs))
+        return
     raw, rows = base_config("gpt", ""), []
     common = [f"run.steps={args.steps}", f"outer.H={args.H}", f"run.eval_every={args.steps}"]
     clock = "measured (real processes)" if args.runtime == "real" else "simulated runtime"
