@@ -10,25 +10,19 @@ run.workers x run.shards ranks of the pool, laid out as the launcher lays them o
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo_pool import free_port
 from torch.distributed.tensor import DTensor
 
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.train.loop import train_worker
 from frugaltrain.train.sharding import build_layout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _whole(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -76,7 +70,7 @@ def train_sharded(jobs: list, world: int) -> dict[str, dict[int, list[torch.Tens
     """{job name: {replica: final parameters}} of every job, run by `world` gloo processes."""
     out = mp.Manager().dict()
     mp.start_processes(
-        _worker, args=(world, _free_port(), jobs, out), nprocs=world, start_method="spawn"
+        _worker, args=(world, free_port(), jobs, out), nprocs=world, start_method="spawn"
     )
     finals: dict[str, dict[int, list[torch.Tensor]]] = {}
     for (name, replica), params in out.items():

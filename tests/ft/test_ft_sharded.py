@@ -3,6 +3,10 @@ one process of replica 1 killed mid-round. Its sibling goes down with it (the la
 replica whole), replica 0 goes on alone, and replica 1 comes back: both its shards take their
 state from replica 0's matching shard, at the same round end in both shard groups.
 
+FGD (GlobalM1LocalM2): Mix1 goes point to point with a deadline and counts a message only if it
+arrived at every shard of the replica; with two replicas both mixes are complete, so the
+replicas hold the same parameters at every round end, and the rejoined one must too.
+
 Every worker sleeps 0.1 s after each inner step (an injected straggler on all of them: no CPU
 used) so the restarted replica (two fresh processes importing torch) is back before the end.
 """
@@ -20,7 +24,8 @@ from frugaltrain.train import checkpoint, launch
 SETS = [
     "run.workers=2",
     "run.shards=2",
-    "outer.strategy='diloco'",
+    "outer.strategy='fgd'",
+    "outer.preset='GlobalM1LocalM2'",
     "model.n_layer=2",
     "outer.H=2",
     "run.steps=48",
@@ -68,7 +73,7 @@ def test_a_dead_process_takes_its_replica_out_and_the_replica_rejoins(
     # Replica 0 went on: every round was logged.
     assert [r["round"] for r in records if r.get("kind") == "round"] == list(range(1, 25))
 
-    # At the end both replicas hold the same DiLoCo parameters (theta = x after the all-reduce).
+    # At the end both replicas hold the same parameters (complete mixes of two replicas).
     final = checkpoint.latest_intact(run_dir)
     assert final.name == "round_000024"
     a, b = _replica_params(final, 0), _replica_params(final, 1)
