@@ -60,7 +60,9 @@ def memory_estimate(cfg: Config) -> dict[str, int]:
     activation_bytes: one step's activations of the process's batch_size / shards sequences: per
         token, 68 d + 10 heads T bytes per block kept for backward (Korthikanti et al., 2022, in
         fp32), or with activation checkpointing 4 d per block plus one block recomputed, and the
-        logits three times (values, softmax, gradient)."""
+        logits three times (values, softmax, gradient).
+    process_bytes: the process itself, with torch (and transformers) imported, its data and
+        runtime (measured 500-530 MiB for a tiny model on CPU)."""
     with torch.device("meta"):
         model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
@@ -85,6 +87,7 @@ def memory_estimate(cfg: Config) -> dict[str, int]:
         "state_bytes": -(-28 * params // shards),
         "gathered_bytes": gathered,
         "activation_bytes": tokens * (kept + 12 * vocab),
+        "process_bytes": 500 << 20,
     }
 
 

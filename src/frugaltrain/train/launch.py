@@ -80,7 +80,6 @@ def check_data(cfg: Config) -> None:
     BatchSampler(corpus.val, d.seq_len, d.batch_size, 0)
 
 
-_PROCESS_BYTES = 500 << 20  # a worker process with torch (and transformers) imported
 _GB = 1 << 30
 
 
@@ -109,12 +108,13 @@ def memory_line(cfg: Config) -> str:
     """The memory estimate per process, as printed at the start of a run."""
     est = memory_estimate(cfg)
     shards = f" / {cfg.run.shards} shards" if cfg.run.shards > 1 else ""
-    gathered = est["gathered_bytes"]
+    gathered, total = est["gathered_bytes"], sum(v for k, v in est.items() if k != "params")
     return (
-        f"{est['params'] / 1e6:.1f}M parameters{shards}: {est['state_bytes'] / _GB:.2f} GB of "
-        "weights, gradients and optimizer states"
+        f"{total / _GB:.2f} GB per process (estimated): {est['params'] / 1e6:.1f}M parameters"
+        f"{shards}, {est['state_bytes'] / _GB:.2f} GB of weights, gradients and optimizer states"
         + (f", {gathered / _GB:.2f} GB gathered by FSDP2" if gathered else "")
-        + f", {est['activation_bytes'] / _GB:.2f} GB of activations per process (estimated)"
+        + f", {est['activation_bytes'] / _GB:.2f} GB of activations, "
+        f"{est['process_bytes'] / _GB:.2f} GB for the process (torch, data)"
     )
 
 
@@ -136,7 +136,7 @@ def check_memory(cfg: Config) -> None:
                 f"{free / _GB:.1f} GB is free; {fix}"
             )
         per_worker = 0  # on the GPU, not in RAM
-    need, available = here * (per_worker + _PROCESS_BYTES), _available_ram()
+    need, available = here * (per_worker + est["process_bytes"]), _available_ram()
     if available is not None and need > available:
         raise ConfigError(
             f"memory: estimated {need / _GB:.1f} GB for {here} processes on this machine ({parts}) "
