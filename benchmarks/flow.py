@@ -523,6 +523,8 @@ def _verdict_line(wl: str, w: dict) -> str:
     v = w["verdict"]
     lo, hi = v["measured.boot95"]
     met = "met" if v["met"] else "not met"
+    if not v["predicted_to_meet"]:  # a pass the model does not explain is a question, not a win
+        met += " (and not predicted)"
     return (
         f"{wl}: flow / {BASELINE} = {v['measured.ratio_of_medians']:.2f} (measured, 95% "
         f"{lo:.2f}-{hi:.2f}); the allocator predicted {v['predicted.ratio']:.2f}; "

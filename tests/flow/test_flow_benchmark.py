@@ -82,6 +82,7 @@ def test_table_has_one_row_per_variant(flow_bench) -> None:
                     "predicted.ratio": 0.8,
                     "measured.ratio_of_medians": 1.5,
                     "measured.boot95": [1.1, 1.9],
+                    "predicted_to_meet": False,
                     "met": True,
                 },
                 "simulated.projection": {
@@ -101,6 +102,6 @@ def test_table_has_one_row_per_variant(flow_bench) -> None:
     assert "c 0.10/0.20  p 0.30/0.20" in lines[2]
     assert "median of 3 interleaved repetitions" in lines[3]
     assert "= 1.50 (measured, 95% 1.10-1.90); the allocator predicted 0.80" in lines[4]
-    assert lines[4].endswith("target 1.2x met")
+    assert lines[4].endswith("target 1.2x met (and not predicted)")
     assert "R=8: 1.25x (5+3), R=64: 1.40x (40+24)" in lines[5]
     assert lines[6].endswith("1/device: R=8 1.30x; 4/device: R=8 1.25x")
