@@ -1,8 +1,9 @@
-"""FlowTrain at toy scale: a ViT producer and an LM consumer decoupled through a memory pool.
+"""FlowTrain: a vision encoder producer and an LM consumer decoupled through a memory pool.
 
-Reproduces arXiv 2606.23087 (FlowTrain) on CPU: the pool (shared memory or torch.distributed),
-the three execution modes, the packing scheduler and the throughput-matching allocator.
-See docs/flow.md.
+Reproduces arXiv 2606.23087 (FlowTrain) at small scale: transformers parts (a ViT or SigLIP tower,
+a Llama behind a projector) or tiny built-in ones, the pool (shared memory, pinned for a GPU, or
+torch.distributed), the execution modes with a data-parallel baseline, the packing scheduler and
+the throughput-matching allocator. See docs/flow.md.
 """
 
 from frugaltrain.flow.config import FlowConfig, load_flow_config
