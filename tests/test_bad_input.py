@@ -278,6 +278,7 @@ OTHER = [
     ("simulate-key", ["simulate", "--set", "sim.warp=1"], "unknown key sim.warp"),
     ("simulate-ratio", ["simulate", "--set", "sim.ratio=-1"], "sim.ratio = -1.0: must be >= 0"),
     ("simulate-crash", ["simulate", "--set", "sim.crash_worker=7"], "sim.crash_worker = 7"),
+    ("simulate-shards", ["simulate", "--set", "run.shards=2"], "run.shards = 2: the simulator"),
     ("compare-method", ["compare", "--methods", "foo", "--out", "c"], "unknown method 'foo'"),
     ("flow-mode", ["flow", "train", "--set", "run.mode=weird"], "run.mode = 'weird'"),
     ("flow-flag", ["flow", "train", "--bogus"], "unrecognized arguments: --bogus"),

@@ -175,10 +175,15 @@ def test_shard_too_small_fails_before_work(make_config):
 def test_every_example_config_loads():
     from pathlib import Path
 
+    from frugaltrain.flow.config import load_flow_config
     from frugaltrain.sim.config import load_sim_config
 
     examples = Path(__file__).resolve().parent.parent / "examples"
-    train_configs = [p for p in examples.glob("*.toml") if p.name != "flow.toml"]
+    flow_configs = sorted(examples.glob("flow*.toml"))  # FlowTrain's own config
+    assert [p.name for p in flow_configs] == ["flow.toml", "flow_vlm.toml"]
+    for path in flow_configs:
+        load_flow_config(str(path))
+    train_configs = [p for p in examples.glob("*.toml") if p not in flow_configs]
     assert len(train_configs) >= 9
     strategies = set()
     for path in train_configs:

@@ -158,6 +158,13 @@ class SimSection(Section):
             "the simulator runs workers as threads that share torch's global RNG, so dropout "
             "would not be reproducible; set model.dropout = 0",
         )
+        require(
+            cfg.run.shards == 1,
+            "run.shards",
+            cfg.run.shards,
+            "the simulator runs each worker as one unsharded replica (sharding changes the "
+            "per-process bytes, not the algorithm); set run.shards = 1",
+        )
 
 
 @dataclass(kw_only=True)

@@ -502,6 +502,7 @@ def validation_batches(
 def simulate(cfg: Config, sim: SimSection, run_dir: Path | None = None) -> SimResult:
     """Run cfg's workers as virtual workers on sim's clock; metrics go to run_dir (optional)."""
     check_sinks(cfg)  # a missing TensorBoard or wandb package: refused before any work
+    sim.check_against(cfg)  # callers that built the two apart (benchmarks, tests)
     # Parallelism comes from worker threads (sim.compute_threads), one core each.
     torch.set_num_threads(1)
     if run_dir is not None:

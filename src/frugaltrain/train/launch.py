@@ -4,8 +4,9 @@ or this process as one worker under torchrun.
 
     frugaltrain train --workers 4                    # 4 local processes, gloo on CPU
     frugaltrain train --workers 2 --set run.shards=2 # 2 replicas of 2 processes (FSDP2 inside)
-    torchrun --nnodes 2 --nproc-per-node 4 -m frugaltrain train --config my.toml
-                                                     # across machines: torchrun sets RANK etc.
+    frugaltrain train --nodes 2 --node-rank K --rdzv HOST:PORT --config my.toml
+                                                     # across machines: torchrun on each
+                                                     # (train/nodes.py, docs/multihost.md)
 """
 
 from __future__ import annotations
