@@ -318,6 +318,22 @@ class Comm:
         rejected, self._rejected_self = self._rejected_self, False
         return rejected
 
+    def _encode_counted(
+        self,
+        tensors: list[torch.Tensor],
+        codec: str,
+        feedback: ErrorFeedback | None,
+        sends: int,
+        receives: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`encode_own`, counting the encoded payload `sends` times sent and `receives` times
+        received."""
+        own, parts = encode_own(tensors, codec, feedback)
+        wire = compress.wire_bytes(own.numel(), codec)
+        self.stats.bytes_sent += wire * sends
+        self.stats.bytes_received += wire * receives
+        return own, parts
+
     def _mix(
         self,
         tensors: list[torch.Tensor],
@@ -328,10 +344,7 @@ class Comm:
         me = self.position
         send_to, recv_from = topology.peers(w, me)
         complete = len(send_to) == len(self.members) - 1 == len(recv_from)
-        own, parts = encode_own(tensors, codec, feedback)
-        wire = compress.wire_bytes(own.numel(), codec)
-        self.stats.bytes_sent += wire * len(send_to)
-        self.stats.bytes_received += wire * len(recv_from)
+        own, parts = self._encode_counted(tensors, codec, feedback, len(send_to), len(recv_from))
         seq = self._op_seq
         self._op_seq += 1
         if complete:

@@ -649,11 +649,9 @@ class ElasticComm(Comm):
         feedback: ErrorFeedback | None = None,
     ) -> Handle:
         members, me = list(self.members), self.position
-        own, parts = encode_own(tensors, codec, feedback)
-        wire = compress.wire_bytes(own.numel(), codec)
         # Gossip travels as a gather here (see the module docstring): count what really moves.
-        self.stats.bytes_sent += wire * (len(members) - 1)
-        self.stats.bytes_received += wire * (len(members) - 1)
+        others = len(members) - 1
+        own, parts = self._encode_counted(tensors, codec, feedback, others, others)
         op = self._post("gather", parts)
 
         def finish() -> None:
