@@ -1,6 +1,7 @@
 """Simulated against real: a 4-process gloo run (deterministic all-reduce) and a 4-worker
 simulation of the same config end with bitwise identical parameters, for DiLoCo and for Factored
-Gossip DiLoCo (global Mix1 through an all-reduce, pairwise Mix2 through point-to-point)."""
+Gossip DiLoCo (global Mix1 through an all-reduce, pairwise Mix2 through point-to-point, dense
+and top-k with error feedback)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ WORLD = 4
 CASES = {
     "diloco": ("outer.strategy='diloco'",),
     "fgd": ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"),
+    "fgd-topk": (  # sparse Mix2: top-k selection would amplify any last-bit difference
+        "outer.strategy='fgd'",
+        "outer.preset='GlobalM1LocalM2'",
+        "outer.codec='topk:0.1+2bit'",
+    ),
     "fgd-ring": (
         "outer.strategy='fgd'",
         "outer.mix1='ring'",
