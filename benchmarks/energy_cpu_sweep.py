@@ -1,5 +1,5 @@
 """CPU sweep of tiny GPT/BERT training steps: fit the roofline step-time model on 70% of the
-architectures, test on the rest (issue 7, validation item 2).
+architectures, test on the rest (docs/energy.md: the CPU step-time check).
 
     .venv/bin/python benchmarks/energy_cpu_sweep.py            # ~3 min on 2 shared cores
     .venv/bin/python benchmarks/energy_cpu_sweep.py --quick    # a few configs, a smoke run

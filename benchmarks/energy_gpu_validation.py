@@ -1,4 +1,4 @@
-"""GPU validation of the energy module on one NVIDIA GPU (issue 7, validation item 3).
+"""GPU validation of the energy module on one NVIDIA GPU (docs/energy.md).
 
     python benchmarks/energy_gpu_validation.py --out DIR            # ~8 min on one H100
     python benchmarks/energy_gpu_validation.py --out DIR --smoke    # seconds, CPU ok (logic only)

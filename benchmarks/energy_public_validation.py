@@ -1,4 +1,4 @@
-"""Validation on the public single-GPU measurement set (issue 7, validation item 1).
+"""Validation on the public single-GPU measurement set (docs/energy.md).
 
     .venv/bin/python benchmarks/energy_public_validation.py      # ~1 min on one core
 

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.config import Config, build_config, to_toml
-from frugaltrain.models import memory_estimate
+from frugaltrain.models import memory_estimate, model_bytes
 from frugaltrain.train.loop import train_worker
 from frugaltrain.train.sharding import build_layout
 
@@ -147,7 +147,7 @@ def run_case(part: str, shards: int, root: Path, mmap_threshold: int = 0) -> dic
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     procs = [out[r] for r in range(world)]
     est = memory_estimate(cfg)
-    per_process = sum(v for k, v in est.items() if k != "params")  # what `train` prints
+    per_process = model_bytes(est) + est["process_bytes"]  # what `train` prints
     return {
         "part": part,
         "shards": shards,

@@ -9,7 +9,7 @@ the ~0.5M-parameter GPT (2 layers, width 128, byte vocabulary; 4 x 64 tokens per
 
 and ratios against `loop`, measured side by side in one process (after a warm-up run; loop and
 threads alternate twice and each keeps its faster repetition). With --target it also runs the
-issue's target: 16 workers x 1,000 inner steps of DiLoCo, end to end (simulate()).
+scale target: 16 workers x 1,000 inner steps of DiLoCo, end to end (simulate()).
 
     python benchmarks/sim_scale.py --out benchmarks/results/sim_scale.json [--target]
 """

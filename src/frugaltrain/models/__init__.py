@@ -91,6 +91,12 @@ def memory_estimate(cfg: Config) -> dict[str, int]:
     }
 
 
+def model_bytes(est: dict[str, int]) -> int:
+    """Of a memory_estimate, what the model's run holds (states, FSDP2's gathered blocks and
+    activations: on the GPU when there is one); the process's own bytes come on top."""
+    return est["state_bytes"] + est["gathered_bytes"] + est["activation_bytes"]
+
+
 def train_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
     """Analytic forward + backward FLOPs of one training token, matmuls only: 2 per weight of
     every linear layer (the LM head included) plus the attention scores QK^T and A.V (full s x s,

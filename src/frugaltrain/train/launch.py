@@ -33,7 +33,7 @@ from frugaltrain.config import (
 )
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
 from frugaltrain.metrics.sinks import check_sinks
-from frugaltrain.models import build_model, memory_estimate, model_dims
+from frugaltrain.models import build_model, memory_estimate, model_bytes, model_dims
 from frugaltrain.models.parts import select
 from frugaltrain.outer.streaming import StreamingDiLoCo
 from frugaltrain.train import checkpoint
@@ -109,7 +109,7 @@ def memory_line(cfg: Config) -> str:
     """The memory estimate per process, as printed at the start of a run."""
     est = memory_estimate(cfg)
     shards = f" / {cfg.run.shards} shards" if cfg.run.shards > 1 else ""
-    gathered, total = est["gathered_bytes"], sum(v for k, v in est.items() if k != "params")
+    gathered, total = est["gathered_bytes"], model_bytes(est) + est["process_bytes"]
     return (
         f"{total / _GB:.2f} GB per process (estimated): {est['params'] / 1e6:.1f}M parameters"
         f"{shards}, {est['state_bytes'] / _GB:.2f} GB of weights, gradients and optimizer states"
@@ -123,7 +123,7 @@ def check_memory(cfg: Config) -> None:
     """Refuse a run whose estimated memory (models.memory_estimate, per process, times the
     processes on this machine) exceeds the available RAM, or a GPU's free memory."""
     est = memory_estimate(cfg)
-    per_worker = est["state_bytes"] + est["gathered_bytes"] + est["activation_bytes"]
+    per_worker = model_bytes(est)
     here = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.run.workers * cfg.run.shards))
     fix = "use a smaller model (model.n_layer, model.n_embd), fewer workers (run.workers), more "
     fix += "shards (run.shards) or a smaller batch (data.batch_size, data.seq_len)"
@@ -182,8 +182,8 @@ def _join_torchrun(cfg: Config) -> None:
     check_torchrun(cfg)  # before the group: every rank refuses alike
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps its store across restarts but not the keys in it apart: restarted
-        # workers read the addresses of the dead ones (PyTorch issue 135712)
+        # torchrun keeps its store across restarts without clearing the keys: restarted
+        # workers would read the addresses of the dead ones
         raise ConfigError(
             f"torchrun --max-restarts {restarts} with torchrun's shared store: restarted workers "
             "would connect to the addresses of the ones they replace; start torchrun with "

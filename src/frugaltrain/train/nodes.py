@@ -98,7 +98,8 @@ def launch_node(
     cmd = torchrun_command(
         node_config(config_path, overrides, resume), nodes, node_rank, rdzv, argv
     )
-    # Restarts need the workers' store apart from torchrun's own (PyTorch issue 135712).
+    # Restarts need the workers' store apart from torchrun's own, whose keys outlive the
+    # workers that wrote them (restarted workers would dial the dead ones' addresses).
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     print(f"[launcher] machine {node_rank} of {nodes}: torchrun {shlex.join(cmd[3:])}", flush=True)
     os.execve(sys.executable, cmd, env)
