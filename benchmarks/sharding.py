@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from frugaltrain.comm import LocalComm
+from frugaltrain.comm.runtime import Runtime
 from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.models import memory_estimate, model_bytes
@@ -80,20 +81,19 @@ class _Stop(Exception):
     """The last inner step is done: leave before the final outer step and checkpoint."""
 
 
-def _watched(comm, steps: int, record: dict):
-    """`comm` whose on_step hook (run after every inner step) keeps each step's compute time
-    and, at the last step, the RSS high-water mark; then stops the run."""
-    on_step = comm.on_step
+class _Watched(Runtime):
+    """The plain runtime, whose step hook (run after every inner step) keeps each step's
+    compute time and, at the last step, the RSS high-water mark; then stops the run."""
 
-    def watch(step: int, compute_s: float) -> None:
-        on_step(step, compute_s)
-        record["step_s"].append(compute_s)
-        if step == steps:
-            record["peak_rss"] = _status("VmHWM")
+    def __init__(self, comm, steps: int, record: dict) -> None:
+        super().__init__(comm)
+        self.steps, self.record = steps, record
+
+    def on_step(self, step: int, compute_s: float) -> None:
+        self.record["step_s"].append(compute_s)
+        if step == self.steps:
+            self.record["peak_rss"] = _status("VmHWM")
             raise _Stop
-
-    comm.on_step = watch
-    return comm
 
 
 def _process(rank: int, world: int, port: int, cfg_toml: str, run_dir: str, out) -> None:
@@ -114,7 +114,7 @@ def _process(rank: int, world: int, port: int, cfg_toml: str, run_dir: str, out)
         else:
             comm = TorchDistComm()
     try:
-        train_worker(cfg, _watched(comm, cfg.run.steps, record), Path(run_dir), None, shards)
+        train_worker(cfg, _Watched(comm, cfg.run.steps, record), Path(run_dir), None, shards)
     except _Stop:
         pass
     record["outer_bytes"] = comm.stats.bytes_sent

@@ -23,6 +23,7 @@ LEVEL = {
     "optim": 3,
     "comm": 4,
     "outer": 5,
+    "step": 5,  # one inner step, shared by train/ and sim/
     "train": 6,
     "sim": 6,
     "flow": 6,

@@ -78,7 +78,7 @@ def test_a_poisoned_all_reduce_is_the_mean_of_the_others(value):
         assert torch.equal(t, torch.full((5,), 4 / 3))
     told = [c.take_rejection() for c in comms]
     assert told == [False, False, True, False]
-    events = comms[0].drain_events()
+    events = comms[0].drain_rejections()
     assert [e["workers"] for e in events] == [[2]] and events[0]["kind"] == "rejected"
 
 

@@ -20,7 +20,7 @@ from frugaltrain.metrics.report import format_summary, summarize
 from frugaltrain.metrics.sinks import TensorBoardSink, WandbSink
 from frugaltrain.sim import SimSection, simulate
 from frugaltrain.train import launch
-from frugaltrain.train.round_log import SCALARS, RoundLog
+from frugaltrain.train.round_log import RoundLog, RoundScalars
 
 WORKERS = 2
 REAL = ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'", "run.threads=1")
@@ -258,7 +258,8 @@ def test_rejections_and_membership_changes_are_counted_in_the_round_record(tmp_p
     own = {"bytes_sent": 1, "bytes_received": 1, "blocking_s": 0.0, "compute_s": 1.0}
     own["feedback_norm"] = 0.0  # a dense codec: left out of the record
     posts = [post_vector(r, 2, own, {"outer": 0.0}, ops) for r in range(2)]
-    means = [0.0] * len(SCALARS) + [sum(col) / 2 for col in zip(*posts, strict=True)]
+    peers = [sum(col) / 2 for col in zip(*posts, strict=True)]
+    means = RoundScalars(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, peers=peers).pack()
     log.events([{"kind": "rejected", "workers": [1], "round": 1}])
     log.events([{"kind": "membership", "event": "left", "round": 1}])
     log.round({"kind": "round", "step": 6, "energy/label": "x"}, lambda: means, False)

@@ -140,11 +140,14 @@ def weighted_sum(weights: list[float], flats: list[torch.Tensor]) -> torch.Tenso
 
 
 class Comm:
-    """One worker's communication endpoint.
+    """One worker's communication endpoint: what an outer strategy sees, and nothing more
+    (collectives, members, byte and blocking counts, the guard's rejections). The training
+    loop's side of a runtime (logging reductions, the round end, rejoin) is comm/runtime.py's
+    `Runtime`, which holds the comm.
 
-    Subclasses implement the runtime hooks at the bottom. `members` is the ordered list of ranks
-    taking part (all of them unless the fault-tolerance layer shrinks it); mixing matrices are
-    indexed by position in `members`.
+    Subclasses implement the transport primitives at the bottom. `members` is the ordered list
+    of ranks taking part (all of them unless the fault-tolerance layer shrinks it); mixing
+    matrices are indexed by position in `members`.
 
     deterministic: reduce every all-reduce as a gather plus `weighted_sum` (order-independent,
     bit-identical to the simulator) instead of the runtime's native ring all-reduce; it moves
@@ -165,7 +168,7 @@ class Comm:
         self.guard = guard
         self.shard_link = shard_link
         self.members: list[int] = []
-        self.events: list[dict] = []  # records for worker 0's metrics log (drain_events)
+        self.events: list[dict] = []  # the guard's records for worker 0's log (drain_rejections)
         self._op_seq = 0
         self._rejected_self = False
 
@@ -367,79 +370,14 @@ class Comm:
 
         return Handle(self.stats, finish, fetch.is_completed)
 
-    def metric_mean(self, values: list[float]) -> list[float]:
-        """Mean of a few logging scalars over workers. Not counted as algorithm traffic."""
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        self._metric_sum(t)
-        return (t / len(self.members)).tolist()
-
-    def metric_mean_async(self, values: list[float]) -> Callable[[], list[float]]:
-        """Start `metric_mean` without waiting; call the result to get the means. Lets the loop
-        log round t while round t + 1 runs, so logging adds no synchronization point."""
-        if self.world_size == 1:
-            return lambda: list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        wait = self._metric_sum_async(t)
-        n = len(self.members)
-
-        def result() -> list[float]:
-            wait()
-            return (t / n).tolist()
-
-        return result
-
-    def metric_max(self, values: list[float]) -> list[float]:
-        """Max of a few logging scalars over workers. Not counted as algorithm traffic."""
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        self._metric_max(t)
-        return t.tolist()
-
-    def metric_mean_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Mean of `tensors` over workers, for diagnostics (consensus distance, the averaged
-        model); returns new fp32 tensors and is not counted as algorithm traffic."""
-        flat = flatten(tensors).double()
-        if self.world_size > 1:
-            self._metric_sum(flat)
-            flat /= len(self.members)
-        out = [torch.empty_like(t, dtype=torch.float32) for t in tensors]
-        unflatten_into(flat.float(), out)
-        return out
-
-    def barrier(self) -> None:
-        pass
-
-    # Hooks the training loop calls on every worker. They do nothing here; the fault-tolerant
-    # runtime (comm/elastic.py) injects faults, admits restarted workers and reports membership.
-    def on_step(self, step: int, compute_s: float) -> None:
-        """After inner step `step` took `compute_s` seconds of compute."""
-
-    def on_round_end(self, round_idx: int, state_fn: Callable[[], dict]) -> None:
-        """At a round end, after any checkpoint; `state_fn()` is this worker's whole state."""
-
-    def rejoin(self, load: Callable[[dict], None], state_fn: Callable[[], dict]) -> bool:
-        """On a restarted worker: take a live peer's state through `load`. False: first start."""
-        return False
-
-    def round_fields(self) -> dict:
-        """Runtime fields of worker 0's round record (membership, late messages)."""
-        return {}
-
-    def drain_events(self) -> list[dict]:
-        """Records since the last call (rejections; membership changes under fault tolerance),
-        for worker 0's metrics log."""
+    def drain_rejections(self) -> list[dict]:
+        """The guard's records since the last call (`"kind": "rejected"`), for worker 0's
+        metrics log; the runtime hands them to the loop at the round end."""
         out, self.events = self.events, []
         return out
 
-    def writes_markers(self, local_rank: int) -> bool:
-        """Whether this worker writes the COMPLETE marker of a checkpoint: one per machine (its
-        workers' files are there, so a machine without a shared file system can resume)."""
-        return local_rank == 0
-
-    # Runtime-specific parts.
+    # Transport primitives, one set per runtime. The `_metric_*` ones move logging and guard
+    # scalars (not algorithm traffic); comm/runtime.py's Runtime reduces through them too.
     def _all_reduce_sum(self, tensors: list[torch.Tensor], scale: float) -> Handle:
         raise NotImplementedError
 

@@ -85,6 +85,7 @@ from frugaltrain.comm.base import (
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.guard import Guard, norm_of, verdict
 from frugaltrain.comm.rendezvous import Membership, Round, evict_key
+from frugaltrain.comm.runtime import Means, Runtime, StateFn
 from frugaltrain.comm.shardlink import ShardLink
 from frugaltrain.faults import Injector, corrupt_, fire
 
@@ -676,7 +677,7 @@ class ElasticComm(Comm):
     def _metric_max(self, t: torch.Tensor) -> None:
         t.copy_(self._wait(self._post("max", [t]))[0])
 
-    def metric_mean_async(self, values: list[float]) -> Callable[[], list[float]]:
+    def metric_mean_async(self, values: list[float]) -> Means:
         """Per-round logging scalars go through the store, so no worker waits for them; the
         result (worker 0 writes the log) averages over the members that posted, and its
         `ready()` says whether they all have."""
@@ -684,12 +685,7 @@ class ElasticComm(Comm):
         self.metric_seq += 1
         self.store.set(f"ft/metric/{k}/{self.rank}", json.dumps(list(values)))
         if self.rank != 0:  # only worker 0 logs
-
-            def own() -> list[float]:
-                return list(values)
-
-            own.ready = lambda: True  # type: ignore[attr-defined]
-            return own
+            return Means(lambda: list(values), lambda: True)
         expected = list(self.members)
 
         def keys() -> list[str]:  # members that left since do not count, nor rejoined ones
@@ -713,8 +709,7 @@ class ElasticComm(Comm):
                 self.store.delete_key(key)
             return np.mean(np.array(got, dtype=np.float64), axis=0).tolist()
 
-        result.ready = ready  # type: ignore[attr-defined]
-        return result
+        return Means(result, ready)
 
     def round_fields(self) -> dict:
         """Fault-tolerance fields of worker 0's round record: how far behind the slowest
@@ -726,9 +721,6 @@ class ElasticComm(Comm):
             fields["ft/slowest_round"] = min(at)
         self.mix1_late = 0
         return fields
-
-    def barrier(self) -> None:
-        self._wait(self._post("sum", [torch.zeros(1)]))
 
     def writes_markers(self, local_rank: int) -> bool:
         """The lowest live member (local launches only: one machine)."""
@@ -873,3 +865,28 @@ class ElasticComm(Comm):
             self.store.set(f"ft/finished/{self.rank}", "1")
             self.store.set("ft/done", "1")
         self._stop.set()
+
+
+class ElasticRuntime(Runtime):
+    """The loop's side of the fault-tolerant runtime: logging scalars through the store, faults
+    at every step, admission of restarted workers at a round end, rejoin."""
+
+    comm: ElasticComm
+
+    def metric_mean_async(self, values: list[float]) -> Means:
+        return self.comm.metric_mean_async(values)
+
+    def on_step(self, step: int, compute_s: float) -> None:
+        self.comm.on_step(step, compute_s)
+
+    def rejoin(self, load: Callable[[dict], None], state_fn: StateFn) -> bool:
+        return self.comm.rejoin(load, state_fn)
+
+    def writes_markers(self, local_rank: int) -> bool:
+        return self.comm.writes_markers(local_rank)
+
+    def _round_fields(self) -> dict:
+        return self.comm.round_fields()
+
+    def _admit(self, round_idx: int, state_fn: StateFn) -> None:
+        self.comm.on_round_end(round_idx, state_fn)

@@ -107,6 +107,3 @@ class TorchDistComm(Comm):
         on_device = t if self._metric_device is None else t.to(self._metric_device)
         dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group)
         t.copy_(on_device)
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)

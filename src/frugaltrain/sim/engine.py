@@ -1,11 +1,11 @@
 """Run M virtual workers in one process: the simulated counterpart of train/launch.py.
 
-Design (docs/sim.md): one OS thread per virtual worker runs the same per-worker step sequence as
-train/loop.py (before_step, forward, backward, sync_grads, clip, AdamW, schedule, after_step)
-on its own model, AdamW and outer strategy object (outer/, unchanged), talking through a
-`SimComm`. At most `sim.compute_threads` workers compute at once (a semaphore): torch releases
-the GIL inside ops, so 2 threads can use 2 cores (1.07-1.37x a one-at-a-time loop at this
-model size, measured), and the rest wait without spinning.
+Design (docs/sim.md): one OS thread per virtual worker runs the inner step of train/loop.py
+(step.inner_step: before_step, forward, backward, sync_grads, clip, AdamW, schedule; then
+after_step) on its own model, AdamW and outer strategy object (outer/, unchanged), talking
+through a `SimComm`. At most `sim.compute_threads` workers compute at once (a semaphore):
+torch releases the GIL inside ops, so 2 threads can use 2 cores (1.07-1.37x a one-at-a-time
+loop at this model size, measured), and the rest wait without spinning.
 Every worker thread meets the others at each round end (a barrier); the last to arrive runs the
 round's bookkeeping single-threaded: metrics, rollback, crash and rejoin.
 
@@ -50,12 +50,13 @@ from frugaltrain.metrics.consensus import GROUPS, averaged_model, spread, square
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.metrics.peers import blocking_ops, count_events, sim_fields
 from frugaltrain.metrics.sinks import check_sinks, open_sinks
-from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
-from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
+from frugaltrain.models import build_model, evaluate, train_flops_per_token
+from frugaltrain.optim import build_inner_optimizer, build_schedule
 from frugaltrain.outer import build_strategy
 from frugaltrain.sim.config import SimSection, energy_label
 from frugaltrain.sim.network import build_network
 from frugaltrain.sim.world import SimComm, SimWorld
+from frugaltrain.step import inner_step
 
 ENERGY_KEYS = ("energy/compute_j", "energy/idle_j", "energy/comm_j", "energy/joules")
 
@@ -127,7 +128,6 @@ class _Sim:
                     comm,
                 )
             )
-        self.forge = is_forge(cfg.optim)
         self.slots = threading.Semaphore(sim.compute_threads)
         self.barrier = threading.Barrier(M, action=self._round_end)
         self.rng = np.random.default_rng([sim.fault_seed, 0xC10C])
@@ -175,35 +175,18 @@ class _Sim:
         H, steps = cfg.outer.H, cfg.run.steps
         for step in range(steps):
             if w.alive:
-                w.strategy.before_step(step)
-                with self.slots:
-                    t = time.perf_counter()
-                    x, y = w.sampler.batch(step)
-                    with autocast(cfg, torch.device("cpu")):
-                        _, loss = w.model(x, y)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(
-                            f"[sim worker {i} step {step}] non-finite loss {loss.item()}; "
-                            "lower optim.lr or raise optim.warmup_steps"
-                        )
-                    if self.forge:  # updates inside backward (as in train/loop.py)
-                        w.inner.backward(loss)
-                    else:
-                        loss.backward()
-                    measured = time.perf_counter() - t
-                if not self.forge:  # FORGE leaves no gradient to sync or clip
-                    w.strategy.sync_grads()
-                with self.slots:
-                    t = time.perf_counter()
-                    if cfg.optim.grad_clip > 0 and not self.forge:
-                        torch.nn.utils.clip_grad_norm_(w.model.parameters(), cfg.optim.grad_clip)
-                    w.inner.step()
-                    w.schedule.step()
-                    w.inner.zero_grad(set_to_none=True)
-                    measured += time.perf_counter() - t
+                loss, _, measured = inner_step(
+                    w,
+                    cfg,
+                    step,
+                    lambda step=step: w.sampler.batch(step),
+                    device=torch.device("cpu"),
+                    who=f"sim worker {i}",
+                    compute=lambda: self.slots,
+                )
                 dt = measured if self.sim.compute == "measured" else self.step_draws[i, step]
                 self.world.advance(i, float(dt))
-                w.loss_sum += loss.item()
+                w.loss_sum += loss
                 w.steps += 1
                 boundary = w.strategy.after_step(step + 1)
             else:
@@ -406,7 +389,7 @@ class _Sim:
         by_op = [{k: v - self._prev_ops[i].get(k, 0.0) for k, v in now[i].items()} for i in live]
         self._prev_ops = now
         out = sim_fields(self.M, live, figures, by_op, self.ops)
-        drained = [w.comm.drain_events() for w in self.workers]
+        drained = [w.comm.drain_rejections() for w in self.workers]
         rejected = [{"round": self.round, **e} for e in drained[live[0]]]
         if self.log is not None:
             for e in rejected:

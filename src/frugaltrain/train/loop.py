@@ -31,16 +31,17 @@ Energy and FLOPs (per round record, summed by `report`):
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from frugaltrain.comm import Comm
+from frugaltrain.comm.runtime import RoundEnd, Runtime, StateFn
 from frugaltrain.config import Config, ConfigError
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import RaplMeter, open_meter
@@ -54,10 +55,11 @@ from frugaltrain.metrics.consensus import (
 from frugaltrain.metrics.peers import blocking_ops, post_vector
 from frugaltrain.metrics.sinks import open_sinks
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
-from frugaltrain.optim import build_inner_optimizer, build_schedule, is_forge
+from frugaltrain.optim import build_inner_optimizer, build_schedule
 from frugaltrain.outer import build_strategy
+from frugaltrain.step import inner_step
 from frugaltrain.train import checkpoint, sharded_checkpoint
-from frugaltrain.train.round_log import RoundLog
+from frugaltrain.train.round_log import RoundLog, RoundScalars
 from frugaltrain.train.sharding import (
     Averaged,
     LocalShards,
@@ -72,12 +74,36 @@ from frugaltrain.train.sharding import (
 )
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits in the run, computed once: its worker (replica) `worker`, its
+    shard of that replica, its global rank (worker * run.shards + shard) and local rank."""
+
+    worker: int
+    shard: int
+    rank: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        """Worker 0's first process: it writes the metrics and shows progress."""
+        return self.worker == 0 and self.shard == 0
+
+
+def place_of(comm: Comm, shards: Shards | None, shards_per_worker: int) -> Place:
+    shard = shards.index if shards else 0
+    rank = comm.rank * shards_per_worker + shard
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
+    return Place(comm.rank, shard, rank, local_rank)
+
+
 @dataclass
 class Worker:
     """One worker's training state and the parts that move it."""
 
     cfg: Config
-    comm: Comm
+    runtime: Runtime  # the loop's side of the runtime; `comm` is what the strategy sees
+    place: Place
     device: torch.device
     model: torch.nn.Module
     inner: torch.optim.Optimizer
@@ -90,6 +116,10 @@ class Worker:
     step: int = 0  # inner steps done; also the data cursor (a batch is a function of the step)
     round: int = 0
     tokens: int = 0  # tokens the run trained so far, over the members of each round
+
+    @property
+    def comm(self) -> Comm:
+        return self.runtime.comm
 
     def state(self) -> dict:
         """Everything a checkpoint (or a rejoining peer) needs to continue this worker; with
@@ -144,25 +174,26 @@ class WorkerResult:
 
 def train_worker(
     cfg: Config,
-    comm: Comm,
+    runtime: Runtime | Comm,
     run_dir: Path,
     resume_from: Path | None = None,
     shards: Shards | None = None,
 ):
     """Train this worker to `run.steps` inner steps (or `run.stop_at_round`). Returns a
     WorkerResult. Call on every worker with the same config; with run.shards > 1 on every
-    process, with its `shards` and a `comm` over its shard group."""
+    process, with its `shards` and a runtime over its shard group. A bare `Comm` runs under
+    the plain runtime (comm/runtime.py)."""
     r = cfg.run
-    rank = comm.rank * r.shards + (shards.index if shards else 0)  # this process's
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # spawned locally: all on one host
-    device = worker_device(cfg, rank)
-    meter, meter_counts = open_energy_meter(device, local_rank)
-    w = setup(cfg, comm, device, resume_from, shards)
+    runtime = runtime if isinstance(runtime, Runtime) else Runtime(runtime)
+    place = place_of(runtime.comm, shards, r.shards)
+    device = worker_device(cfg, place.rank)
+    meter, meter_counts = open_energy_meter(device, place.local_rank)
+    w = setup(cfg, runtime, place, device, resume_from, shards)
     log = _round_log(cfg, w, run_dir, resumed=resume_from is not None)
 
     val_loss = None
     t_start = time.perf_counter()
-    stats_at_start = comm.stats.copy()
+    stats_at_start = w.comm.stats.copy()
     while w.step < r.steps:
         loss_sum, compute_s, steps, lr = run_round(w, log)
         log.write_steps()
@@ -174,37 +205,71 @@ def train_worker(
         reading = meter.stop()  # this round's window: steps, eval and the outer step
         meter.start()
         record["energy/label"] = reading.label
-        sent = comm.stats.minus(stats_at_start)
         joules = (reading.joules or 0.0) if meter_counts else 0.0
         no_meter = float(meter_counts and reading.joules is None)
-        scalars = [loss_sum / steps, compute_s, sent.blocking_s, sent.bytes_sent]
-        scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter, sent.recovery_s]
-        own = {"bytes_sent": sent.bytes_sent, "bytes_received": sent.bytes_received}
-        own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
-        own["feedback_norm"] = getattr(w.strategy, "feedback_norm", lambda: 0.0)()
-        scalars += post_vector(comm.rank, comm.world_size, own, sent.blocking_by_op, log.ops)
-        if comm.rank == 0 and not (shards and shards.index):
-            record.update(comm.round_fields())
-        # This round's rejections (and failures) are counted in its own record.
-        log.events([{"round": w.round, **e} for e in comm.drain_events()])
-        log.round(record, comm.metric_mean_async(scalars), val_loss is not None)
-        stats_at_start = comm.stats.copy()  # a checkpoint's barrier counts in the next round
+        sent = w.comm.stats.minus(stats_at_start)
+        scalars = round_scalars(w, sent, loss_sum / steps, compute_s, log.ops)
+        scalars.val, scalars.joules, scalars.no_meter = val_loss or 0.0, joules, no_meter
+        stats_at_start = w.comm.stats.copy()  # a checkpoint's barrier counts in the next round
 
         stop = bool(r.stop_at_round) and w.round >= r.stop_at_round
-        if stop or w.step >= r.steps or (r.checkpoint_every and w.round % r.checkpoint_every == 0):
-            log.flush(everything=True)
-            save_checkpoint(w, run_dir, local_rank)
-        comm.on_round_end(w.round, w.state)
-        log.events([{"round": w.round, **e} for e in comm.drain_events()])
+        save = (
+            stop
+            or w.step >= r.steps
+            or bool(r.checkpoint_every and w.round % r.checkpoint_every == 0)
+        )
+        close = close_round(w, log, run_dir, record, val_loss is not None, save)
+        late = runtime.end_round(w.round, scalars.pack(), close)
+        log.events([{"round": w.round, **e} for e in late])
         if stop:
             break
     log.close()
     return WorkerResult(step=w.step, round=w.round, val_loss=val_loss, model=w.model)
 
 
+def round_scalars(w: Worker, sent, loss: float, compute_s: float, ops) -> RoundScalars:
+    """This worker's logging scalars of the round (`sent`: its CommStats of the round);
+    validation loss and energy are filled in by the caller."""
+    comm = w.comm
+    own = {"bytes_sent": sent.bytes_sent, "bytes_received": sent.bytes_received}
+    own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
+    own["feedback_norm"] = getattr(w.strategy, "feedback_norm", lambda: 0.0)()
+    return RoundScalars(
+        loss=loss,
+        compute_s=compute_s,
+        blocking_s=sent.blocking_s,
+        sent=sent.bytes_sent,
+        received=sent.bytes_received,
+        recovery_s=sent.recovery_s,
+        peers=post_vector(comm.rank, comm.world_size, own, sent.blocking_by_op, ops),
+    )
+
+
+def close_round(
+    w: Worker, log: RoundLog, run_dir: Path, record: dict, has_val: bool, save: bool
+) -> Callable[[RoundEnd], StateFn]:
+    """What the loop does inside the runtime's round end: log the round (its record waits for
+    the workers' means) and, when `save`, write the checkpoint; hands back the state function a
+    joining worker takes its state from."""
+
+    def close(end: RoundEnd) -> StateFn:
+        if w.place.is_main:
+            record.update(end.fields)
+        # This round's rejections (and failures) are counted in its own record.
+        log.events([{"round": w.round, **e} for e in end.events])
+        log.round(record, end.means, has_val)
+        if save:
+            log.flush(everything=True)
+            save_checkpoint(w, run_dir)
+        return w.state
+
+    return close
+
+
 def setup(
     cfg: Config,
-    comm: Comm,
+    runtime: Runtime,
+    place: Place,
     device: torch.device,
     resume_from: Path | None,
     shards: Shards | None = None,
@@ -212,7 +277,7 @@ def setup(
     """Data (this worker's shard, and validation batches shared by all), model (sharded over
     the replica's processes with shards), inner optimizer and schedule, outer strategy; then a
     checkpoint's or a live peer's state, if there is one."""
-    r, d = cfg.run, cfg.data
+    r, d, comm = cfg.run, cfg.data, runtime.comm
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction, verify=False)  # the launcher did
     shard = shard_tokens(corpus.train, comm.rank, comm.world_size, d.num_shards, d.sharding)
     sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(r.seed, comm.rank))
@@ -226,13 +291,12 @@ def setup(
     schedule = build_schedule(inner, cfg.optim, r.steps)
     view = LocalShards(model) if shards else model
     strategy = build_strategy(cfg, view, comm)
-    # Dropout differs per process (for one shard per replica: per worker).
-    torch.manual_seed(worker_seed(r.seed, comm.rank * r.shards + (shards.index if shards else 0)))
-    w = Worker(cfg, comm, device, model, inner, schedule, strategy, sampler, val_batches)
+    torch.manual_seed(worker_seed(r.seed, place.rank))  # dropout differs per process
+    w = Worker(cfg, runtime, place, device, model, inner, schedule, strategy, sampler, val_batches)
     w.shards, w.view = shards, view
     if resume_from is not None:
         resume(w, resume_from)
-    comm.rejoin(lambda state: w.load(state, own=False), w.state)  # a restarted worker only
+    runtime.rejoin(lambda state: w.load(state, own=False), w.state)  # a restarted worker only
     return w
 
 
@@ -254,7 +318,7 @@ def run_round(w: Worker, log: RoundLog) -> tuple[float, float, int, float]:
     run's end. Returns (sum of losses, compute seconds, steps, last lr)."""
     loss_sum, compute_s, steps = 0.0, 0.0, 0
     while True:
-        loss, lr, seconds = inner_step(w, log)
+        loss, lr, seconds = worker_step(w, log)
         loss_sum, compute_s, steps = loss_sum + loss, compute_s + seconds, steps + 1
         log.step(w.step, loss, lr)
         # The outer round's blocking communication is accounted inside the comm.
@@ -265,43 +329,36 @@ def run_round(w: Worker, log: RoundLog) -> tuple[float, float, int, float]:
             return loss_sum, compute_s, steps, lr
 
 
-def inner_step(w: Worker, log: RoundLog) -> tuple[float, float, float]:
-    """One inner step; returns (loss, lr, compute seconds). DDP's gradient all-reduce inside it
-    is blocking time, not compute."""
+def worker_step(w: Worker, log: RoundLog) -> tuple[float, float, float]:
+    """One inner step (step.inner_step); returns (loss, lr, compute seconds). DDP's gradient
+    all-reduce inside it is blocking time, not compute."""
     t0 = time.perf_counter()
     blocked0 = w.comm.stats.blocking_s
-    w.strategy.before_step(w.step)
-    batch = w.sampler.batch(w.step)
-    if w.shards:
-        batch = tuple(rows(t, w.shards) for t in batch)
-    x, y = (t.to(w.device, non_blocking=True) for t in batch)
-    with autocast(w.cfg, w.device):
-        _, loss = w.model(x, y)
-    # The step's one host sync (on a GPU: before backward starts).
-    loss_value = replica_mean(loss, w.shards) if w.shards else loss.item()
-    if not math.isfinite(loss_value):
-        log.write_steps()
-        raise FloatingPointError(
-            f"[worker {w.comm.rank} step {w.step}] non-finite loss {loss_value}; stopping before "
-            "the update (lower optim.lr or raise optim.warmup_steps)"
+
+    def batch():
+        batch = w.sampler.batch(w.step)
+        if w.shards:
+            batch = tuple(rows(t, w.shards) for t in batch)
+        return tuple(t.to(w.device, non_blocking=True) for t in batch)
+
+    loss_value = (lambda loss: replica_mean(loss, w.shards)) if w.shards else None
+    try:
+        loss, lr, _ = inner_step(
+            w,
+            w.cfg,
+            w.step,
+            batch,
+            device=w.device,
+            who=f"worker {w.comm.rank}",
+            loss_value=loss_value,
         )
-    if is_forge(w.cfg.optim):
-        # FORGE updates every weight inside backward (two passes for exact clipping when
-        # optim.grad_clip > 0); no gradient exists afterwards, so nothing to sync or clip.
-        w.inner.backward(loss)
-    else:
-        loss.backward()
-        w.strategy.sync_grads()
-        if w.cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(w.model.parameters(), w.cfg.optim.grad_clip)
-    lr = w.inner.param_groups[0]["lr"]
-    w.inner.step()
-    w.schedule.step()
-    w.inner.zero_grad(set_to_none=True)
+    except FloatingPointError:
+        log.write_steps()
+        raise
     w.step += 1
     # An injected straggler (fault-tolerant runtime) computes slower: its sleep counts here.
-    w.comm.on_step(w.step, time.perf_counter() - t0 - (w.comm.stats.blocking_s - blocked0))
-    return loss_value, lr, time.perf_counter() - t0 - (w.comm.stats.blocking_s - blocked0)
+    w.runtime.on_step(w.step, time.perf_counter() - t0 - (w.comm.stats.blocking_s - blocked0))
+    return loss, lr, time.perf_counter() - t0 - (w.comm.stats.blocking_s - blocked0)
 
 
 def eval_due(cfg: Config, step: int, round_steps: int) -> bool:
@@ -326,31 +383,53 @@ def evaluate_round(w: Worker) -> tuple[float, dict]:
     return val_loss, fields
 
 
+@dataclass
+class Agreement:
+    """How far apart the workers are, as each worker posts it for one mean over the members:
+    the sums of squared distances to the mean (total, then per metrics.consensus.GROUPS), the
+    logit JS divergence, the outer momentum spread, and each worker's validation loss at its
+    rank (times the member count, so the mean is that loss)."""
+
+    consensus: list[float]  # total, then one per group
+    logit_js: float
+    momentum: float
+    val_workers: list[float]
+
+    def pack(self) -> list[float]:
+        return [*self.consensus, self.logit_js, self.momentum, *self.val_workers]
+
+    @classmethod
+    def unpack(cls, values: list[float]) -> Agreement:
+        k = 1 + len(GROUPS)
+        return cls(values[:k], values[k], values[k + 1], values[k + 2 :])
+
+
 def disagreement(w: Worker, val_loss: float) -> dict[str, float]:
     """How far apart the workers are (metrics.consensus): consensus distance in total and per
     group, logit JS on the first batch, the outer momentum spread, every worker's validation
-    loss and the averaged model's. Through the comm's uncounted diagnostic reductions; call on
-    every worker at once. With shards, each shard group averages its shards, the sums of
-    squares are summed over the replica's shards, and the averaged model is the replica's own
-    sharded model holding the mean for a moment (Averaged)."""
-    comm, model, batches = w.comm, w.model, w.val_batches
+    loss and the averaged model's. Through the runtime's diagnostic reductions; call on every
+    worker at once. With shards, each shard group averages its shards, the sums of squares are
+    summed over the replica's shards, and the averaged model is the replica's own sharded
+    model holding the mean for a moment (Averaged)."""
+    runtime, comm, model, batches = w.runtime, w.comm, w.model, w.val_batches
     params = list(w.view.parameters())
-    mean = comm.metric_mean_tensors(params)
+    mean = runtime.metric_mean_tensors(params)
     local = squared_distance(w.view, mean)
     momenta = w.strategy.momenta() if hasattr(w.strategy, "momenta") else None
-    m_spread = spread(momenta, comm.metric_mean_tensors(momenta)) if momenta else 0.0
+    m_spread = spread(momenta, runtime.metric_mean_tensors(momenta)) if momenta else 0.0
     sums = replica_sum([sum(local.values()), *local.values(), m_spread], w.shards)
     averaged = Averaged(model, params, mean) if w.shards else averaged_model(model, mean)
     js = logit_js(model, averaged, batches[0][0])
-    n = len(comm.members)  # a mean over members: worker r's loss sits at position r, times n
+    n = len(comm.members)
     own = [val_loss * n if r == comm.rank else 0.0 for r in range(comm.world_size)]
-    values = comm.metric_mean([*sums[:5], js, sums[5], *own])
-    out = {"consensus/total": values[0]}
-    out.update({f"consensus/{g}": v for g, v in zip(GROUPS, values[1:5], strict=True)})
-    out["disagreement/logit_js"] = values[5]
+    posted = Agreement(consensus=sums[:-1], logit_js=js, momentum=sums[-1], val_workers=own)
+    got = Agreement.unpack(runtime.metric_mean(posted.pack()))
+    out = {"consensus/total": got.consensus[0]}
+    out.update({f"consensus/{g}": v for g, v in zip(GROUPS, got.consensus[1:], strict=True)})
+    out["disagreement/logit_js"] = got.logit_js
     if momenta:
-        out["consensus/momentum"] = values[6]
-    out["loss/val_workers"] = [values[7 + r] for r in comm.members]
+        out["consensus/momentum"] = got.momentum
+    out["loss/val_workers"] = [got.val_workers[r] for r in comm.members]
     out["loss/val_avg_model"] = evaluate(averaged, batches)  # the same on every worker
     return out
 
@@ -375,25 +454,25 @@ def round_record(w: Worker, steps: int, lr: float, wall_s: float) -> dict:
     }
 
 
-def save_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
+def save_checkpoint(w: Worker, run_dir: Path) -> None:
     """Every worker writes its state; once all have, one per machine marks the round COMPLETE.
     A worker that is down (fault-tolerant runtime) gets a stand-in: the state it would take on
     rejoining."""
-    comm = w.comm
+    comm, runtime = w.comm, w.runtime
     if w.shards:
-        save_sharded_checkpoint(w, run_dir, local_rank)
+        save_sharded_checkpoint(w, run_dir)
         return
     checkpoint.save_worker(run_dir, w.round, comm.rank, w.state())
-    writer = comm.writes_markers(local_rank)
+    writer = runtime.writes_markers(w.place.local_rank)
     if writer:
         for absent in sorted(set(range(comm.world_size)) - set(comm.members)):
             checkpoint.save_worker(run_dir, w.round, absent, w.state())
-    comm.barrier()
+    runtime.barrier()
     if writer:
         checkpoint.mark_complete(run_dir, w.round, w.step, w.cfg)
 
 
-def save_sharded_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
+def save_sharded_checkpoint(w: Worker, run_dir: Path) -> None:
     """Each replica writes its DCP checkpoint (train/sharded_checkpoint.py); the lowest replica
     present in every shard group also writes the absent ones' stand-ins (all its shards agree
     on who that is through the replica's link); once all are written, one process per machine
@@ -405,13 +484,13 @@ def save_sharded_checkpoint(w: Worker, run_dir: Path, local_rank: int) -> None:
     if comm.rank == present[0]:
         for absent in sorted(set(range(comm.world_size)) - set(present)):
             sharded_checkpoint.save(w, d, absent)
-    comm.barrier()
-    if comm.writes_markers(local_rank) and w.shards.index == 0:
+    w.runtime.barrier()
+    if w.runtime.writes_markers(w.place.local_rank) and w.shards.index == 0:
         checkpoint.mark_complete(run_dir, w.round, w.step, w.cfg)
 
 
 def _round_log(cfg: Config, w: Worker, run_dir: Path, resumed: bool) -> RoundLog:
-    is_main = w.comm.rank == 0 and not (w.shards and w.shards.index)
+    is_main = w.place.is_main
     bar = None
     if is_main and cfg.run.progress:
         from tqdm import tqdm

@@ -3,7 +3,8 @@ means, membership events, and the progress bar.
 
 A round's record needs the workers' means of a few scalars (loss, compute and blocking seconds,
 bytes, energy) and of each worker's own figures (metrics/peers.py: bytes, seconds, blocking per
-operation). They are posted without waiting (`Comm.metric_mean_async`) and the record is
+operation), `RoundScalars`. They are posted without waiting (the runtime's round end,
+comm/runtime.py) and the record is
 written once they are in: under the fault-tolerant runtime once every member has posted (a
 straggler never holds a worker back), else once the next round has started. A checkpoint or the
 end waits for all of them. Every worker keeps a RoundLog; only worker 0's writes.
@@ -13,15 +14,37 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.metrics.peers import count_events, fields_from_means
 from frugaltrain.metrics.sinks import Sink
 
-# The per-round scalars every worker posts, in this order; metrics.peers.post_vector follows.
-SCALARS = ("loss", "compute_s", "blocking_s", "sent", "received", "val", "joules", "no_meter")
-SCALARS += ("recovery_s",)
+
+@dataclass
+class RoundScalars:
+    """One worker's logging scalars of a round; the workers' mean of them completes worker 0's
+    record. Every worker packs them in the same order, so the mean lines up."""
+
+    loss: float
+    compute_s: float
+    blocking_s: float
+    sent: float  # bytes
+    received: float  # bytes
+    recovery_s: float
+    val: float = 0.0  # validation loss, 0 when the round did not evaluate
+    joules: float = 0.0  # this worker's energy, 0 when its meter does not count (loop.py)
+    no_meter: float = 0.0  # 1: its meter counts but gave no reading
+    peers: list[float] = field(default_factory=list)  # metrics.peers.post_vector
+
+    def pack(self) -> list[float]:
+        return [float(v) for v in astuple(self)[:-1]] + list(self.peers)
+
+    @classmethod
+    def unpack(cls, values: list[float]) -> RoundScalars:
+        n = len(fields(cls)) - 1
+        return cls(*values[:n], peers=list(values[n:]))
 
 
 class RoundLog:
@@ -61,9 +84,9 @@ class RoundLog:
         self._steps.clear()
 
     def round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
-        """Queue a round record; `means()` gives the workers' means of SCALARS, then of their
-        metrics.peers.post_vector. The event records logged since the last round record are
-        counted in this one (comm/rejected, comm/membership_changes)."""
+        """Queue a round record; `means()` gives the workers' mean of their packed
+        RoundScalars. The event records logged since the last round record are counted in this
+        one (comm/rejected, comm/membership_changes)."""
         record.update(count_events(self._events))
         self._events = []
         self._pending.append((record, means, has_val))
@@ -72,7 +95,7 @@ class RoundLog:
     def flush(self, everything: bool = False) -> None:
         """Write the queued round records whose means are in (`everything`: all of them)."""
         while self._pending:
-            ready = getattr(self._pending[0][1], "ready", None)
+            ready = getattr(self._pending[0][1], "ready", None)  # comm.runtime.Means
             if not everything and not (ready() if ready else len(self._pending) > 1):
                 return
             self._write_round(*self._pending.popleft())
@@ -89,30 +112,29 @@ class RoundLog:
         self.log.close()
 
     def _write_round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
-        values = means()
-        mean = dict(zip(SCALARS, values[: len(SCALARS)], strict=True))
-        compute, blocking = mean["compute_s"], mean["blocking_s"]
+        mean = RoundScalars.unpack(means())
+        compute, blocking = mean.compute_s, mean.blocking_s
         record.update(
             {
-                "loss/train": mean["loss"],
+                "loss/train": mean.loss,
                 "time/compute_s": compute,
                 "time/blocking_s": blocking,
                 "util/compute": compute / (compute + blocking) if compute + blocking > 0 else None,
-                "comm/bytes_sent": int(mean["sent"]),
-                "comm/bytes_received": int(mean["received"]),
-                "time/recovery_s": mean["recovery_s"],
+                "comm/bytes_sent": int(mean.sent),
+                "comm/bytes_received": int(mean.received),
+                "time/recovery_s": mean.recovery_s,
             }
         )
-        record.update(fields_from_means(values[len(SCALARS) :], self.workers, self.ops))
-        if mean["no_meter"] > 0:  # a reporting worker's meter gave no reading: no total, no zero
+        record.update(fields_from_means(mean.peers, self.workers, self.ops))
+        if mean.no_meter > 0:  # a reporting worker's meter gave no reading: no total, no zero
             if not record["energy/label"].startswith("unavailable"):
-                missing = int(round(mean["no_meter"] * self.workers))
+                missing = int(round(mean.no_meter * self.workers))
                 record["energy/label"] = f"unavailable: {missing} worker meter(s)"
         else:
-            record["energy/joules"] = mean["joules"] * self.workers  # the reporting workers' sum
+            record["energy/joules"] = mean.joules * self.workers  # the reporting workers' sum
         if has_val:
-            record["loss/val"] = mean["val"]
+            record["loss/val"] = mean.val
             if self.bar is not None:
-                self.bar.set_postfix(val=f"{mean['val']:.3f}")
+                self.bar.set_postfix(val=f"{mean.val:.3f}")
         self.log.write(record)
         self.log.flush()

@@ -226,7 +226,7 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
     worker (incarnation > 1) rejoins from a live peer instead of the checkpoint. With shards,
     process `rank` is shard s of replica r: its replica's processes form the default group
     (FSDP2), fresh at every start of the replica, and its ElasticComm is shard group s's."""
-    from frugaltrain.comm.elastic import ElasticComm
+    from frugaltrain.comm.elastic import ElasticComm, ElasticRuntime
 
     S = cfg.run.shards
     replica, shard = divmod(rank, S)
@@ -257,7 +257,7 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
         shard_link=shards.link if shards else None,
     )
     resume_path = Path(resume) if resume and incarnation == 1 else None
-    train_worker(cfg, comm, Path(run_dir), resume_path, shards)
+    train_worker(cfg, ElasticRuntime(comm), Path(run_dir), resume_path, shards)
     comm.close()
     # Leave without running destructors: gloo groups of abandoned epochs may still hold threads
     # blocked on a dead peer, and tearing those down aborts the process.
