@@ -40,10 +40,11 @@ import torch
 from frugaltrain.config import ConfigError, build_config
 from frugaltrain.flow.alloc import even_split, profile, solve_milp
 from frugaltrain.flow.config import FlowConfig, load_flow_config
-from frugaltrain.flow.data import CaptionSet, build_dataset
+from frugaltrain.flow.data import build_dataset
 from frugaltrain.flow.packing import BatchPlan
 from frugaltrain.flow.plan import collapsed_speedups, cost_fit
 from frugaltrain.flow.runtime import make_plans, min_slots, run
+from frugaltrain.flow.samples import CaptionSet
 from frugaltrain.flow.sim import charge_calls, simulate, simulate_monolithic
 from frugaltrain.flow.trace import calibrate_matmul_flops, plot_timeline
 from frugaltrain.flow.train import measure

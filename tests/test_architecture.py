@@ -84,3 +84,53 @@ def test_no_function_longer_than_80_lines():
                 if lines > 80 and name not in KERNELS:
                     long.append(f"{name} ({lines} lines)")
     assert not long, long
+
+
+def _sibling_imports(path: Path) -> set[str]:
+    """Modules of path's own subpackage that path imports (anywhere in it, inside functions and
+    TYPE_CHECKING blocks too): `frugaltrain.pkg.mod`, `from frugaltrain.pkg import mod`, and the
+    package's __init__ for other names taken from `frugaltrain.pkg`."""
+    pkg = path.parent
+    here = f"frugaltrain.{pkg.name}"
+    siblings = {p.stem for p in pkg.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules, names = [a.name for a in node.names], []
+        elif isinstance(node, ast.ImportFrom) and node.level <= 1:  # level 1: this package
+            module = f"{here}.{node.module or ''}".rstrip(".") if node.level else node.module
+            modules, names = [module], [a.name for a in node.names]
+        else:
+            continue
+        for module in modules:
+            if module == here:  # the package: its submodules by name, else its __init__
+                found |= {n if n in siblings else "__init__" for n in names or ["__init__"]}
+            elif module.startswith(here + "."):
+                found.add(module.split(".")[2])
+    return found - {path.stem}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle of graph, each once: started at its smallest module."""
+    cycles = []
+
+    def walk(start: str, node: str, chain: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                cycles.append([*chain, start])
+            elif nxt > start and nxt not in chain:
+                walk(start, nxt, [*chain, nxt])
+
+    for start in sorted(graph):
+        walk(start, start, [start])
+    return cycles
+
+
+def test_no_import_circle_inside_a_subpackage():
+    """Within one subpackage, module imports form no circle, so each module can be read (and
+    imported) after the ones it uses; an import inside a function counts too."""
+    circles = []
+    for pkg in sorted(p for p in SRC.iterdir() if (p / "__init__.py").is_file()):
+        graph = {path.stem: _sibling_imports(path) for path in pkg.glob("*.py")}
+        circles += [f"{pkg.name}/: " + " -> ".join(c) for c in _cycles(graph)]
+    assert not circles, "\n".join(circles)

@@ -205,7 +205,7 @@ def test_pretrained_directory_round_trip(make_config, tmp_path):
 def test_llama_on_token_shards_resumes_bitwise_after_a_kill(config_factory, text_dir, tmp_path):
     """A run killed (SIGKILL, all its processes) after some checkpoint and resumed ends with the
     parameters, outer state and data position of an uninterrupted run, bit for bit."""
-    from frugaltrain.data.shards import prepare
+    from frugaltrain.data.prepare import prepare
     from frugaltrain.data.tokenizer import train_tokenizer
     from frugaltrain.train import checkpoint
 

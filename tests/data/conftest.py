@@ -25,7 +25,7 @@ def bpe_dir(tmp_path_factory) -> Path:
 def shard_dir(tmp_path_factory, text_dir: Path, bpe_dir: Path) -> Path:
     """The 40-file test corpus as token shards of 4000 tokens, a fifth of the files held out."""
     _need_hf()
-    from frugaltrain.data.shards import prepare
+    from frugaltrain.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("shards") / "shards"
     prepare(str(text_dir), str(bpe_dir), str(out), val_fraction=0.2, shard_tokens=4000)

@@ -1,5 +1,6 @@
-"""data/shards.py: shards hold exactly the tokenized documents + EOS, split by document hash;
-JSONL and Parquet inputs; the manifest pins sizes, hashes and the tokenizer; writes are atomic."""
+"""data/prepare.py and data/shards.py: shards hold exactly the tokenized documents + EOS, split
+by document hash; JSONL and Parquet inputs; the manifest pins sizes, hashes and the tokenizer;
+writes are atomic."""
 
 from __future__ import annotations
 
@@ -16,15 +17,11 @@ pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from frugaltrain.config import ConfigError  # noqa: E402
-from frugaltrain.data import shards as shards_mod  # noqa: E402
-from frugaltrain.data.corpus import load_corpus, stdlib_root  # noqa: E402
-from frugaltrain.data.shards import (  # noqa: E402
-    _pieces,
-    is_shard_dir,
-    open_shards,
-    prepare,
-    shard_dtype,
-)
+from frugaltrain.data import prepare as prepare_mod  # noqa: E402
+from frugaltrain.data.corpus import load_corpus  # noqa: E402
+from frugaltrain.data.prepare import _pieces, prepare, shard_dtype  # noqa: E402
+from frugaltrain.data.shards import is_shard_dir, open_shards  # noqa: E402
+from frugaltrain.data.textfiles import stdlib_root  # noqa: E402
 from frugaltrain.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer  # noqa: E402
 
 WORDS = "gossip round outer inner step loss slow cheap link worker naïve 你好".split()
@@ -154,7 +151,7 @@ def test_long_documents_are_encoded_in_pieces_with_the_same_ids(tmp_path, bpe_di
         pieces = _pieces(text, 100)
         assert len(pieces) > 5 and "".join(pieces) == text
         assert [i for p in pieces for i in tok.encode(p)] == tok.encode(text)
-    monkeypatch.setattr(shards_mod, "PIECE_CHARS", 64)
+    monkeypatch.setattr(prepare_mod, "PIECE_CHARS", 64)
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.py").write_text((stdlib_root() / "argparse.py").read_text()[:30_000])
@@ -206,8 +203,8 @@ def test_a_failed_prepare_leaves_nothing(tmp_path, shard_dir, text_dir, bpe_dir,
             raise OSError("disk full")
         return real(self, tokens, doc_ends)
 
-    real = shards_mod._ShardWriter.write
-    monkeypatch.setattr(shards_mod._ShardWriter, "write", fail_on_second)
+    real = prepare_mod._ShardWriter.write
+    monkeypatch.setattr(prepare_mod._ShardWriter, "write", fail_on_second)
     for out, force in ((tmp_path / "new", False), (old, True)):
         calls.clear()
         with pytest.raises(OSError, match="disk full"):

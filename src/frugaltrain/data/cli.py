@@ -98,7 +98,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from frugaltrain.data.shards import prepare
+    from frugaltrain.data.prepare import prepare
 
     t0 = time.perf_counter()
     m = prepare(

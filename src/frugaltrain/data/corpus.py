@@ -4,9 +4,12 @@ The default corpus is the source of the running interpreter's standard library: 
 install has it, it is multi-megabyte real text, and nothing is downloaded. Users can point
 `data.path` at their own text file or directory instead.
 
-A token shard directory (made by `frugaltrain data prepare`, data/shards.py) is read instead
-when `data.path` names one: its train and validation tokens stay on disk (np.memmap) and the
-same sharding and sampling apply, lazily (`shard_tokens`, `BatchSampler`).
+A token shard directory (made by `frugaltrain data prepare`, read by data/shards.py) is read
+instead when `data.path` names one: its train and validation tokens stay on disk (np.memmap)
+and the same sharding and sampling apply, lazily (`shard_tokens`, `BatchSampler`).
+
+Which text files are read, in which order, and which are held out is data/textfiles.py's rule,
+shared with the tokenizer and shard inputs.
 
 Determinism: the files, their order, the split and every batch are pure functions of the
 config and the seed. A batch is drawn from `(seed, worker, step)` alone, so the data cursor of a
@@ -15,9 +18,6 @@ checkpoint is just the step number (`BatchSampler.state_dict`).
 
 from __future__ import annotations
 
-import os
-import sysconfig
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +26,15 @@ import torch
 
 from frugaltrain.config import ConfigError
 from frugaltrain.data.shards import TokenArray, is_shard_dir, open_shards
+from frugaltrain.data.textfiles import (
+    binary_offset,
+    held_out,
+    list_files,
+    select_text_files,
+    stdlib_root,
+)
 
 CHUNK = 4096  # i.i.d. sharding interleaves chunks of this many tokens across shards
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 @dataclass
@@ -41,43 +47,6 @@ class Corpus:
     # tokenizer's size; the model's vocabulary must be at least this
     tokenizer_dir: Path | None = None  # token shards: the tokenizer copy in the shard directory;
     # None for bytes, whose tokenizer is data.tokenizer.byte_tokenizer()
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _list_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
-    if root.is_file():
-        return [root]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-        for f in sorted(filenames):
-            if suffixes is None or f.endswith(suffixes):
-                files.append(Path(dirpath) / f)
-    return files
-
-
-def _is_text(data: bytes) -> bool:
-    """No NUL byte anywhere: text (of any encoding; byte tokens take every byte)."""
-    return b"\x00" not in data
-
-
-def binary_offset(path: Path) -> int | None:
-    """The byte offset of the first NUL byte of `path` (binary data), read in 1 MiB blocks;
-    None for a text file."""
-    offset = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            if (i := block.find(b"\x00")) >= 0:
-                return offset + i
-            offset += len(block)
-    return None
-
-
-def _doc_hash(rel: str) -> int:
-    return zlib.crc32(rel.encode())
 
 
 def load_corpus(
@@ -110,49 +79,42 @@ def load_corpus(
                 f"data.path = {path!r}: no such file or directory; give a text file, a directory"
                 " of text files, or leave it empty for the standard library corpus"
             )
-        files, source = _list_files(root, None), f"text under {path}"
+        files, source = list_files(root, None), f"text under {path}"
     else:
         root = stdlib_root()
-        files, source = _list_files(root, (".py",)), "Python standard library sources"
+        files, source = list_files(root, (".py",)), "Python standard library sources"
+    if root.is_file():
+        _refuse_binary(root, path)
     base = root if root.is_dir() else root.parent
-    # Take files in hash order (a deterministic shuffle), up to max_bytes.
-    ranked = sorted(files, key=lambda p: (_doc_hash(str(p.relative_to(base))), str(p)))
-    docs: list[tuple[str, bytes]] = []
-    total = 0
-    for p in ranked:
-        if max_bytes and total >= max_bytes:
-            break
-        try:
-            data = p.read_bytes()
-        except OSError:
-            continue
-        if data and not _is_text(data) and root.is_file():
-            offset = data.index(b"\x00")
-            raise ConfigError(
-                f"data.path = {path!r}: binary data (a NUL byte) at byte offset {offset}; give "
-                "text files"
-            )
-        if not data or not _is_text(data):  # binary files in a directory are skipped
-            continue
-        if max_bytes:
-            data = data[: max_bytes - total]
-        docs.append((str(p.relative_to(base)), data))
-        total += len(data)
-    if total == 0:
+    # The max_bytes prefix in hash order, in stream order: by path, so contiguous (non-i.i.d.)
+    # shards hold different packages. Binary files in a directory are skipped.
+    chosen = select_text_files(files, base, max_bytes)
+    docs = [(str(p.relative_to(base)), p.read_bytes()[: cut or None]) for p, cut in chosen]
+    if not docs:
         raise ConfigError(
             f"data.path = {path!r}: contains no readable text; point it at text files"
         )
-    # Stream order is by path, so contiguous (non-i.i.d.) shards hold different packages.
-    docs.sort()
-    threshold = int(val_fraction * 10_000)
-    train = [d for r, d in docs if _doc_hash(r) % 10_000 >= threshold]
-    val = [d for r, d in docs if _doc_hash(r) % 10_000 < threshold]
+    train = [d for r, d in docs if not held_out(r, val_fraction)]
+    val = [d for r, d in docs if held_out(r, val_fraction)]
     if not train or not val:  # too few documents for a document split: split the stream's tail
         stream = b"".join(d for _, d in docs)
         cut = int(len(stream) * (1 - val_fraction))
         train, val = [stream[:cut]], [stream[cut:]]
     to_tokens = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)  # noqa: E731
     return Corpus(to_tokens(train), to_tokens(val), source, len(docs))
+
+
+def _refuse_binary(file: Path, path: str) -> None:
+    """A binary file given as data.path is refused (in a directory binary files are skipped)."""
+    try:
+        offset = binary_offset(file)
+    except OSError:  # unreadable: refused as holding no readable text
+        return
+    if offset is not None:
+        raise ConfigError(
+            f"data.path = {path!r}: binary data (a NUL byte) at byte offset {offset}; give "
+            "text files"
+        )
 
 
 def _shard_corpus(path: str, verify: bool) -> Corpus:

@@ -8,8 +8,8 @@ Parquet row is one document, its text in the `text_field` column. Nothing is dow
 the packaged `text`, `json` and `parquet` builders run, on local files.
 
 max_bytes keeps the first documents up to that many UTF-8 bytes and cuts the last one. Text files
-are taken in the same hash order as data/corpus.py (so a limited corpus mixes many packages),
-rows in file order.
+are taken in the same hash order as data/corpus.py (data/textfiles.py: a limited corpus mixes
+many packages), rows in file order.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from frugaltrain.config import ConfigError
-from frugaltrain.data.corpus import _doc_hash, _list_files, binary_offset, stdlib_root
+from frugaltrain.data.textfiles import binary_offset, list_files, select_text_files, stdlib_root
 
 _JSON = (".jsonl", ".json")
 _PARQUET = (".parquet",)
@@ -63,7 +63,7 @@ def resolve_input(input: str, *, text_field: str = "text", max_bytes: int = 0) -
     if not input:
         root = stdlib_root()
         return _text_source(
-            _list_files(root, (".py",)), root, "Python standard library sources", max_bytes
+            list_files(root, (".py",)), root, "Python standard library sources", max_bytes
         )
     root = Path(input).expanduser().resolve()
     if not root.exists():
@@ -72,7 +72,7 @@ def resolve_input(input: str, *, text_field: str = "text", max_bytes: int = 0) -
             "text files, a JSONL or Parquet file (or a directory of them), or '' for the "
             "standard library sources"
         )
-    files = _list_files(root, None)
+    files = list_files(root, None)
     parquet = [f for f in files if f.name.endswith(_PARQUET)]
     jsonl = [f for f in files if f.name.endswith(_JSON if root.is_file() else (".jsonl",))]
     if parquet and jsonl:
@@ -94,26 +94,11 @@ def resolve_input(input: str, *, text_field: str = "text", max_bytes: int = 0) -
 
 
 def _text_source(files: list[Path], base: Path, label: str, max_bytes: int) -> Source:
-    """Readable, non-empty text files: the max_bytes prefix in corpus.py's hash order, then
-    sorted by path (the stream order of corpus.py)."""
-    ranked = sorted(files, key=lambda p: (_doc_hash(str(p.relative_to(base))), str(p)))
-    keep: list[tuple[Path, int]] = []
-    total = 0
-    for p in ranked:
-        if max_bytes and total >= max_bytes:
-            break
-        try:
-            size = p.stat().st_size
-            if size == 0 or binary_offset(p) is not None:  # binary: skipped, as in corpus.py
-                continue
-        except OSError:
-            continue
-        take = min(size, max_bytes - total) if max_bytes else size
-        keep.append((p, take if take < size else 0))
-        total += take
+    """Readable, non-empty text files: the max_bytes prefix in hash order, in stream order (both
+    as data/corpus.py takes them, data/textfiles.py)."""
+    keep = select_text_files(files, base, max_bytes)
     if not keep:
         raise ConfigError(f"--input {label!r}: contains no readable text; point it at text files")
-    keep.sort(key=lambda item: str(item[0].relative_to(base)))  # corpus.py: by relative path
     limits = {i: cut for i, (_, cut) in enumerate(keep) if cut}
     return Source(kind="text", files=[p for p, _ in keep], base=base, label=label, limits=limits)
 

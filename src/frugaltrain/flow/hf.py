@@ -27,7 +27,7 @@ from torch import nn
 
 from frugaltrain.config import ConfigError
 from frugaltrain.data.sources import require_hf
-from frugaltrain.flow.models import pack_samples, projector
+from frugaltrain.flow.consumer_input import pack_samples, projector
 
 
 def require(module: str) -> ModuleType:

@@ -25,8 +25,8 @@ import torch
 from frugaltrain.config import ConfigError
 from frugaltrain.data.sources import offline_datasets
 from frugaltrain.flow import scenes
-from frugaltrain.flow.data import CaptionSet, Sample
 from frugaltrain.flow.hf import require
+from frugaltrain.flow.samples import CaptionSet, Sample
 
 # The longest clause one shape can add to a caption ("one purple triangle at bottom right; "),
 # so a scene of n shapes has at most n times this many characters (and tokens) plus the stop.

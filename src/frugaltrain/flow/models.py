@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from frugaltrain.flow.consumer_input import pack_samples, projector
+
 
 class Block(nn.Module):
     """Pre-norm transformer block; attention honours an optional boolean mask (True = attend)."""
@@ -70,26 +72,6 @@ class TinyViT(nn.Module):
         return self.ln(x)
 
 
-def pack_samples(
-    embs: list[torch.Tensor], texts: list[torch.Tensor], project: nn.Module, embed: nn.Module
-) -> tuple[torch.Tensor, ...]:
-    """Samples concatenated, in order, into one sequence [visual | text | visual | text ...]:
-    inputs x_TD, positions pos_T (restarting at 0 per sample), segment ids seg_T and targets
-    tgt_T (position n_visual + j predicts text token j + 1; everything else is -100)."""
-    dev = embs[0].device
-    parts, seg, pos, targets = [], [], [], []
-    for i, (e_ND, t) in enumerate(zip(embs, texts, strict=True)):
-        t = t.to(dev)
-        n = e_ND.shape[0] + t.shape[0]
-        parts += [project(e_ND), embed(t)]
-        seg.append(torch.full((n,), i, device=dev))
-        pos.append(torch.arange(n, device=dev))
-        tgt = torch.full((n,), -100, dtype=torch.long, device=dev)
-        tgt[e_ND.shape[0] : n - 1] = t[1:]
-        targets.append(tgt)
-    return torch.cat(parts), torch.cat(pos), torch.cat(seg), torch.cat(targets)
-
-
 class Consumer(nn.Module):
     """Projector + causal LM backbone: packed [visual | text] samples -> summed caption loss."""
 
@@ -115,12 +97,6 @@ class Consumer(nn.Module):
             x = b(x, mask_TT)
         logits_TV = self.head(self.ln(x))[0]
         return F.cross_entropy(logits_TV, tgt_T, reduction="sum")
-
-
-def projector(enc_dim: int, dim: int) -> nn.Module:
-    """The 2-layer MLP from the encoder's width to the backbone's (on the consumer's side, so it
-    trains with a frozen encoder too)."""
-    return nn.Sequential(nn.Linear(enc_dim, dim), nn.GELU(), nn.Linear(dim, dim))
 
 
 def build_encoder(cfg) -> nn.Module:

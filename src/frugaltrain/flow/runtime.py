@@ -47,10 +47,11 @@ from torch import nn
 
 from frugaltrain.config import ConfigError
 from frugaltrain.flow.config import FlowConfig
-from frugaltrain.flow.data import CaptionSet, build_dataset
+from frugaltrain.flow.data import build_dataset
 from frugaltrain.flow.models import build_consumer, build_encoder, encoder_width
 from frugaltrain.flow.packing import BatchPlan, plan_batch
 from frugaltrain.flow.pool import DistPool, ShmPool
+from frugaltrain.flow.samples import CaptionSet
 from frugaltrain.flow.trace import Tracer
 
 

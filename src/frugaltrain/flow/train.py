@@ -13,11 +13,12 @@ import numpy as np
 
 from frugaltrain.flow.alloc import profile
 from frugaltrain.flow.config import FlowConfig
-from frugaltrain.flow.data import CaptionSet, Sample, build_dataset
+from frugaltrain.flow.data import build_dataset
 from frugaltrain.flow.models import build_models, flops_per_token
 from frugaltrain.flow.packing import BatchPlan, packing_efficiency, rank_imbalance
 from frugaltrain.flow.plan import cost_fit
 from frugaltrain.flow.runtime import RunResult, make_plans, run
+from frugaltrain.flow.samples import CaptionSet, Sample
 from frugaltrain.flow.trace import calibrate_matmul_flops, plot_timeline, summarize
 
 

@@ -12,14 +12,11 @@ runs. The graph exists in full once the forward has run; walking it costs one vi
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 
-from frugaltrain.forge.linear import _ForgeLinearFn
-
-if TYPE_CHECKING:
-    from frugaltrain.forge.optimizer import ForgeOptimizer
+from frugaltrain.forge.linear import FusedLinearNode
 
 # id(parameter) -> a weak reference to the ForgeOptimizer whose hooks it carries (one owner at a
 # time). Keyed by id, not by the tensor (tensors compare element-wise); entries go when the
@@ -27,12 +24,23 @@ if TYPE_CHECKING:
 # reference here kept every model ever trained alive: the GPU benchmark ran out of memory).
 _OWNERS: dict[int, weakref.ref] = {}
 
-_FORGE_NODE = _ForgeLinearFn._backward_cls  # the Function's backward node (it is the ctx)
 
-
-def owner(p: torch.Tensor) -> ForgeOptimizer | None:
+def owner_of(p: torch.Tensor) -> object | None:
+    """The ForgeOptimizer whose hooks p carries, if one is alive."""
     ref = _OWNERS.get(id(p))
     return None if ref is None else ref()
+
+
+def set_owner(p: torch.Tensor, opt: object) -> None:
+    """Record opt as p's owner, until p is freed or opt releases it."""
+    _OWNERS[id(p)] = weakref.ref(opt)
+    weakref.finalize(p, _OWNERS.pop, id(p), None)
+
+
+def release_owner(p: torch.Tensor, opt: object) -> None:
+    """Forget opt as p's owner (a record of another owner stays)."""
+    if owner_of(p) is opt:
+        del _OWNERS[id(p)]
 
 
 def _tensors(outputs) -> list[torch.Tensor]:
@@ -46,7 +54,7 @@ def _tensors(outputs) -> list[torch.Tensor]:
         return []
 
 
-def _reaches_forge(outputs) -> ForgeOptimizer | None:
+def _reaches_forge(outputs) -> object | None:
     """The ForgeOptimizer owning a parameter that `outputs`' autograd graph reaches, if any."""
     stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
     seen: set[int] = set()
@@ -55,11 +63,11 @@ def _reaches_forge(outputs) -> ForgeOptimizer | None:
         if fn is None or id(fn) in seen:
             continue
         seen.add(id(fn))
-        if isinstance(fn, _FORGE_NODE):
+        if isinstance(fn, FusedLinearNode):
             return fn.handle.owner
         var = getattr(fn, "variable", None)  # AccumulateGrad of a leaf
-        if var is not None and owner(var) is not None:
-            return owner(var)
+        if var is not None and owner_of(var) is not None:
+            return owner_of(var)
         stack.extend(f for f, _ in fn.next_functions)
     return None
 
@@ -111,10 +119,17 @@ def _walk(root) -> tuple[list, dict[int, list]]:
     return nodes, parents
 
 
-def check_graph(opt: ForgeOptimizer, loss: torch.Tensor) -> None:
+def check_graph(
+    loss: torch.Tensor,
+    opt: object,
+    fused: Mapping[torch.Tensor, str],
+    names: Mapping[torch.Tensor, str],
+) -> None:
     """Refuse, before the backward starts, every use of a fused weight that the fused update
-    cannot serve. The fused path of a weight W is: its Linear's node -> the private alias of W
-    (linear.py) -> W's AccumulateGrad. In the loss's graph:
+    cannot serve. `opt` is the ForgeOptimizer about to run the backward, `fused` its fused
+    weights (each -> its Linear's name), `names` its parameters' names. The fused path of a
+    weight W is: its Linear's node -> the private alias of W (linear.py) -> W's AccumulateGrad.
+    In the loss's graph:
 
     - one Linear node appearing twice: the layer ran forward twice (shared or recurrent use);
     - the alias reached from another node: a gradient computed with create_graph=True (only a
@@ -129,20 +144,19 @@ def check_graph(opt: ForgeOptimizer, loss: torch.Tensor) -> None:
     handles: set[int] = set()
     accs = []
     for fn in nodes:
-        if isinstance(fn, _FORGE_NODE) and fn.handle.owner is opt:
+        if isinstance(fn, FusedLinearNode) and fn.handle.owner is opt:
             if id(fn.handle) in handles:
                 raise ValueError(_msg_twice(fn.handle.name))
             handles.add(id(fn.handle))
             layers[id(fn.next_functions[1][0])] = fn
-        elif getattr(fn, "variable", None) is not None and fn.variable in opt._fused:
+        elif getattr(fn, "variable", None) is not None and fn.variable in fused:
             accs.append(fn)
     for acc in accs:
-        w_name = opt._names.get(acc.variable, "?")
+        w_name = names.get(acc.variable, "?")
         for parent in parents[id(acc)]:
             node = layers.get(id(parent))
             if node is None:
-                layer = next(h.name for h in opt._handles if h.module.weight is acc.variable)
-                raise ValueError(_msg_outside(w_name, layer, type(parent).__name__))
+                raise ValueError(_msg_outside(w_name, fused[acc.variable], type(parent).__name__))
             if any(f is not node for f in parents[id(parent)]):
                 raise ValueError(_msg_create_graph(w_name, node.handle.name))
 

@@ -15,7 +15,7 @@ armed). The weight enters the Function through an alias (`weight.view_as(weight)
 node of its own: the engine can then say whether the running backward needs the weight's
 gradient (`torch._C._will_engine_execute_node` refuses leaves inside autograd.grad), and the
 owner's graph check can tell the fused path (Function -> alias -> weight) from any other use of
-the weight (see optimizer._check_graph).
+the weight (see _checks.check_graph).
 
 The update writes W in place under no_grad, which bumps W's version counter: any other autograd
 node that saved W and runs later fails loudly ("modified by an inplace operation") instead of
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class _LayerHandle:
+class LayerHandle:
     """Per-layer bookkeeping shared by the forward and the backward of one fused Linear."""
 
     def __init__(self, name: str, module: nn.Linear, owner) -> None:
@@ -48,7 +48,7 @@ class _LayerHandle:
 
 class _ForgeLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, handle: _LayerHandle):
+    def forward(ctx, x, weight, bias, handle: LayerHandle):
         ctx.handle = handle
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -73,8 +73,13 @@ class _ForgeLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+# The type of a fused Linear's node in an autograd graph (the node is also the Function's ctx):
+# what the graph check looks for.
+FusedLinearNode = _ForgeLinearFn._backward_cls
+
+
 def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    handle: _LayerHandle = self._forge_handle
+    handle: LayerHandle = self._forge_handle
     if not (torch.is_grad_enabled() and self.weight.requires_grad):
         return F.linear(x, self.weight, self.bias)
     dev = x.device.type
@@ -108,9 +113,9 @@ def _forge_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def install_linear(name: str, module: nn.Linear, owner) -> _LayerHandle:
+def install_linear(name: str, module: nn.Linear, owner) -> LayerHandle:
     """Route `module`'s forward through the fused Function; returns its handle."""
-    handle = _LayerHandle(name, module, owner)
+    handle = LayerHandle(name, module, owner)
     module._forge_handle = handle
     module.forward = types.MethodType(_forge_forward, module)
     return handle

@@ -52,10 +52,15 @@ import torch
 from torch import nn
 
 from frugaltrain.forge import precision
-from frugaltrain.forge._checks import _OWNERS, check_graph, guard_grad_scaler
-from frugaltrain.forge._checks import owner as _owner
+from frugaltrain.forge._checks import (
+    check_graph,
+    guard_grad_scaler,
+    owner_of,
+    release_owner,
+    set_owner,
+)
 from frugaltrain.forge._inplace import inplace_variant
-from frugaltrain.forge.linear import _LayerHandle, install_linear, uninstall_linear
+from frugaltrain.forge.linear import LayerHandle, install_linear, uninstall_linear
 from frugaltrain.forge.rules import RULES, Rule
 
 TILE_ELEMS = 65536  # default tile budget: 256 KiB of fp32 gradient
@@ -87,7 +92,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     """
 
     # so GradScaler hands itself to step(), which refuses it (scale() refuses first, see
-    # _guard_grad_scaler; this catches a scaler whose scale() was bypassed)
+    # _checks.guard_grad_scaler; this catches a scaler whose scale() was bypassed)
     _step_supports_amp_scaling = True
 
     def __init__(
@@ -149,9 +154,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._exclude = exclude
         self._params: list[nn.Parameter] = []
         self._param_index: dict[nn.Parameter, int] = {}
-        self._handles: list[_LayerHandle] = []
+        self._handles: list[LayerHandle] = []
         self._hooks: list = []
-        self._fused: set[nn.Parameter] = set()
+        self._fused: dict[nn.Parameter, str] = {}  # fused weight -> its Linear's name
         self.fallback: dict[str, str] = {}  # Linear weight name -> why it is on the hook path
         self._adopt(self.param_groups, stacklevel=3)
 
@@ -187,9 +192,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for p in new:
             self._param_index[p] = len(self._params)
             self._params.append(p)
-            _OWNERS[id(p)] = weakref.ref(self)
-            weakref.finalize(p, _OWNERS.pop, id(p), None)
-        self._fused |= {h.module.weight for h in handles}
+            set_owner(p, self)
+        self._fused |= {h.module.weight: h.name for h in handles}
         added = {k: v for k, v in self.fallback.items() if k not in before}
         if added:
             warnings.warn(
@@ -217,7 +221,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     f"FORGE: backend='triton' needs contiguous parameters; '{names.get(p, '?')}' "
                     "is not (make it contiguous before building the optimizer)"
                 )
-        taken = [names.get(p, "?") for p in new if _owner(p) is not None]
+        taken = [names.get(p, "?") for p in new if owner_of(p) is not None]
         if taken:
             raise ValueError(
                 f"FORGE: parameters {taken[:3]}... already belong to another ForgeOptimizer; "
@@ -232,7 +236,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     # ---- installation --------------------------------------------------------------------
 
-    def _install(self, model: nn.Module, exclude, params) -> tuple[list[_LayerHandle], list]:
+    def _install(self, model: nn.Module, exclude, params) -> tuple[list[LayerHandle], list]:
         owned = set(params)
         uses: dict[nn.Parameter, int] = {}
         for _, module in model.named_modules(remove_duplicate=False):
@@ -276,8 +280,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for hook in self._hooks:
             hook.remove()
         for p in self._params:
-            if _owner(p) is self:
-                del _OWNERS[id(p)]
+            release_owner(p, self)
         self._handles, self._hooks = [], []
 
     # ---- backward entry points ---------------------------------------------------------------
@@ -348,7 +351,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     f"FORGE: 8-bit states need a Triton tile width of {precision.QBLOCK} columns; "
                     f"triton_block={block}"
                 )
-        check_graph(self, loss)
+        check_graph(loss, self, self._fused, self._names)
 
     def _held_grads(self) -> list[str]:
         """Names of parameters holding a gradient from a backward FORGE did not run."""
@@ -364,7 +367,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._updated.add(p)
 
     @torch.no_grad()
-    def _fused_linear_backward(self, handle: _LayerHandle, w, x_BTH, dy_BTV) -> None:
+    def _fused_linear_backward(self, handle: LayerHandle, w, x_BTH, dy_BTV) -> None:
         """Called from the fused Linear's backward after dX: dW tile by tile, rule per tile."""
         if w.dtype not in (torch.float32, torch.float64) and (
             self.backend == "torch" or self.accumulation_steps > 1
