@@ -79,15 +79,9 @@ def _check_flags(args: argparse.Namespace) -> None:
 def cmd_tokenizer(args: argparse.Namespace) -> int:
     from frugaltrain.data.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 
+    options = {"max_bytes": args.max_bytes, "text_field": args.text_field, "force": args.force}
     t0 = time.perf_counter()
-    out = train_tokenizer(
-        args.input,
-        args.vocab_size,
-        args.out,
-        max_bytes=args.max_bytes,
-        text_field=args.text_field,
-        force=args.force,
-    )
+    out = train_tokenizer(args.input, args.vocab_size, args.out, **options)
     seconds = time.perf_counter() - t0
     tok = load_tokenizer(out)
     print(

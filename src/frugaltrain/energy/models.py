@@ -378,9 +378,13 @@ class EnergyPredictor:
         )
 
 
+# fit_predict(train, test): fits a model on `train` records, returns its predictions on `test`.
+FitPredict = Callable[[list[dict], list[dict]], np.ndarray]
+
+
 def evaluate(
     records: list[dict],
-    fit_predict: Callable[[list[dict], list[dict]], np.ndarray],
+    fit_predict: FitPredict,
     target: str = "energy_j",
     n_repeats: int = 20,
     test_frac: float = 0.3,
@@ -408,7 +412,7 @@ def evaluate(
 
 def cross_fit(
     records: list[dict],
-    fit_predict: Callable[[list[dict], list[dict]], np.ndarray],
+    fit_predict: FitPredict,
     k: int = 5,
     seed: int = 2026,
 ) -> np.ndarray:
@@ -426,7 +430,7 @@ def cross_fit(
 
 def conformal_coverage(
     records: list[dict],
-    fit_predict: Callable[[list[dict], list[dict]], np.ndarray],
+    fit_predict: FitPredict,
     alpha: float = 0.05,
     n_repeats: int = 20,
     seed: int = 2026,
