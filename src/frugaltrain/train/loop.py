@@ -181,7 +181,7 @@ def train_worker(
         scalars += [sent.bytes_received, val_loss or 0.0, joules, no_meter, sent.recovery_s]
         own = {"bytes_sent": sent.bytes_sent, "bytes_received": sent.bytes_received}
         own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
-        own["feedback_norm"] = getattr(w.strategy, "feedback_norm", lambda: 0.0)()
+        own["feedback_norm"] = w.strategy.diagnostics().feedback_norm
         scalars += post_vector(comm.rank, comm.world_size, own, sent.blocking_by_op, log.ops)
         if comm.rank == 0 and not (shards and shards.index):
             record.update(comm.round_fields())
@@ -337,7 +337,7 @@ def disagreement(w: Worker, val_loss: float) -> dict[str, float]:
     params = list(w.view.parameters())
     mean = comm.metric_mean_tensors(params)
     local = squared_distance(w.view, mean)
-    momenta = w.strategy.momenta() if hasattr(w.strategy, "momenta") else None
+    momenta = w.strategy.diagnostics().momenta
     m_spread = spread(momenta, comm.metric_mean_tensors(momenta)) if momenta else 0.0
     sums = replica_sum([sum(local.values()), *local.values(), m_spread], w.shards)
     averaged = Averaged(model, params, mean) if w.shards else averaged_model(model, mean)
