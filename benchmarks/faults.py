@@ -38,9 +38,14 @@ GENTLE = ["outer.lr=0.5", "outer.momentum=0.5"]
 STRATEGIES = {
     "ddp": ["outer.strategy='ddp'"],
     "diloco": ["outer.strategy='diloco'", *GENTLE],
-    "fgd": ["outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'", *GENTLE],
+    "fgd": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'", *GENTLE],
     "noloco": ["outer.strategy='noloco'", *GENTLE],
-    "streaming": ["outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1", *GENTLE],
+    "streaming": [
+        "outer.strategy='streaming'",
+        "outer.streaming.fragments=2",
+        "outer.streaming.overlap=1",
+        *GENTLE,
+    ],
 }
 FAULTS = {  # worker 1, halfway through round 5
     "kill": "kill:worker=1,round=5",

@@ -14,7 +14,7 @@ distance, outer momentum spread, every worker's loss) go into the JSON.
     python benchmarks/fgd_real_text.py                        # built-in GPT, byte-level stdlib
     python benchmarks/fgd_real_text.py --model llama --data runs/data/stdlib-bpe2k
     python benchmarks/fgd_real_text.py --H 10 --seeds 0 --runtime sim \
-        --variant "M1-mixed=GlobalM1,outer.momentum_policy=mixed"
+        --variant "M1-mixed=GlobalM1,outer.fgd.momentum_policy=mixed"
 
 Methods are `frugaltrain compare` names (sim/compare.py); `--variant NAME=METHOD,KEY=VALUE,...`
 adds a method with extra config overrides (an ablation).
@@ -114,18 +114,14 @@ def closed_form_util(cfg: Config, r: float = 0.887) -> float:
     o, M = cfg.outer, cfg.run.workers
     if o.strategy == "diloco":
         return 1 / (1 + r)
-    mixing = {"mix2": o.mix2, "mix2_params": o.mix2_params}
-    if o.preset:
-        from frugaltrain.config import FGD_PRESETS
-
-        mixing.update(FGD_PRESETS[o.preset])
-    if mixing["mix2"] == "none":
+    fgd = o.fgd  # a preset is already resolved into mix2 and mix2_params
+    if fgd.mix2 == "none":
         return 1 / max(1.0, r)
     model = build_model(cfg)
     sizes = [(n, p.numel()) for n, p in model.named_parameters()]
-    chosen = select([n for n, _ in sizes], mixing["mix2_params"])
+    chosen = select([n for n, _ in sizes], fgd.mix2_params)
     f = sum(s for (_, s), c in zip(sizes, chosen, strict=True) if c) / sum(s for _, s in sizes)
-    per = M / (2 * (M - 1)) if mixing["mix2"] == "pairs" else 1.0
+    per = M / (2 * (M - 1)) if fgd.mix2 == "pairs" else 1.0
     return 1 / (max(1.0, r) + r * f * per)
 
 

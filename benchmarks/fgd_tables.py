@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from frugaltrain.config import Config, build_config, read_toml
+from frugaltrain.config import Config, build_config, nest_outer_keys, read_toml
 from frugaltrain.data.markov import markov_source_nll
 from frugaltrain.sim.compare import _ms, _safe
 from frugaltrain.sim.engine import validation_batches
@@ -47,6 +47,7 @@ def _source_nll(run_dir: Path, summary: dict) -> float:
         return summary["loss/source_nll"]
     raw = read_toml(run_dir / "config.toml")  # a run from before the simulator recorded it
     raw.pop("sim", None)
+    raw["outer"] = nest_outer_keys(raw.get("outer", {}))  # older runs wrote [outer] flat
     cfg = build_config(Config, raw)
     return markov_source_nll(cfg.data.path, validation_batches(cfg))
 

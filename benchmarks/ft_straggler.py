@@ -30,7 +30,7 @@ from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import launch
 
 METHODS = {
-    "fgd GlobalM1": ["outer.strategy='fgd'", "outer.preset='GlobalM1'"],
+    "fgd GlobalM1": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"],
     "diloco": ["outer.strategy='diloco'"],
 }
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 METHODS = {
     "diloco": ["outer.strategy='diloco'"],
-    "GlobalM1": ["outer.strategy='fgd'", "outer.preset='GlobalM1'"],
-    "GlobalM1LocalM2": ["outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"],
+    "GlobalM1": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"],
+    "GlobalM1LocalM2": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"],
 }
 
 

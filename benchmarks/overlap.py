@@ -27,17 +27,17 @@ from frugaltrain.train.launch import new_run_dir, run
 METHODS = {
     "ddp": ["outer.strategy='ddp'"],
     "diloco": ["outer.strategy='diloco'"],
-    "fgd GlobalM1": ["outer.strategy='fgd'", "outer.preset='GlobalM1'"],
-    "fgd GlobalM1LocalM2": ["outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"],
+    "fgd GlobalM1": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"],
+    "fgd GlobalM1LocalM2": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"],
     "fgd M2 embed+head+blocks:1": [
         "outer.strategy='fgd'",
-        "outer.mix2='pairs'",
-        "outer.mix2_params='embed+head+blocks:1'",
+        "outer.fgd.mix2='pairs'",
+        "outer.fgd.mix2_params='embed+head+blocks:1'",
     ],
     "noloco": ["outer.strategy='noloco'", "outer.momentum=0.5"],
     "streaming P2 e3m0": [
         "outer.strategy='streaming'",
-        "outer.fragments=2",
+        "outer.streaming.fragments=2",
         "outer.codec='e3m0'",
     ],
 }

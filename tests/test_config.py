@@ -3,7 +3,15 @@ import warnings
 
 import pytest
 
-from frugaltrain.config import Config, ConfigError, build_config, load_config, to_toml
+from frugaltrain.config import (
+    OUTER_KEYS,
+    SHARED_KEYS,
+    Config,
+    ConfigError,
+    build_config,
+    load_config,
+    to_toml,
+)
 from frugaltrain.data.corpus import load_corpus
 from frugaltrain.train.launch import check_data
 
@@ -87,6 +95,14 @@ def test_key_set_is_pinned():
             "codec",
             "feedback_decay",
             "param_codec",
+            "fgd",
+            "noloco",
+            "streaming",
+        ],
+    }
+    outer = Config().outer
+    assert {s: [f.name for f in dataclasses.fields(getattr(outer, s))] for s in OUTER_SUBS} == {
+        "fgd": [
             "preset",
             "mix1",
             "mix2",
@@ -94,13 +110,51 @@ def test_key_set_is_pinned():
             "momentum_policy",
             "mix1_weight",
             "mix2_momentum",
-            "group_size",
-            "consensus_pull",
-            "fragments",
-            "overlap",
-            "merge_alpha",
         ],
+        "noloco": ["group_size", "consensus_pull"],
+        "streaming": ["fragments", "overlap", "merge_alpha"],
     }
+
+
+OUTER_SUBS = ("fgd", "noloco", "streaming")
+
+
+def test_keys_each_strategy_reads_come_from_the_sections():
+    assert OUTER_KEYS["diloco"] == ("strategy", *SHARED_KEYS["diloco"])
+    assert OUTER_KEYS["noloco"][-2:] == ("noloco.group_size", "noloco.consensus_pull")
+    assert "fgd.mix2_params" in OUTER_KEYS["fgd"] and "fgd.mix1" not in OUTER_KEYS["streaming"]
+    cfg = build_config(Config, {}, ["outer.strategy=fgd", "outer.fgd.preset=GlobalM1LocalM2"])
+    keys = cfg.outer.strategy_keys()
+    assert "preset" not in keys and (keys["mix1"], keys["mix2"]) == ("complete", "pairs")
+
+
+def test_nested_tables_round_trip_and_presets_resolve_in_the_config(tmp_path):
+    sets = ["outer.strategy=fgd", "outer.fgd.preset=GlobalM1LocalM2", "outer.fgd.mix1=complete"]
+    cfg = build_config(Config, {}, sets)
+    assert (cfg.outer.fgd.mix2, cfg.outer.fgd.mix2_params) == ("pairs", "all")
+    text = to_toml(cfg)
+    assert "[outer.fgd]" in text and "[outer.streaming]" in text
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"outer": {"mix1": "ring"}}, "unknown key outer.mix1: it is now outer.fgd.mix1"),
+        ({"outer": {"fragments": 2}}, "unknown key outer.fragments: it is now outer.streaming."),
+        ({"outer": {"group_size": 4}}, "unknown key outer.group_size: it is now outer.noloco."),
+    ],
+)
+def test_old_flat_outer_keys_name_their_new_place(tmp_path, raw, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(Config, raw)
+    path = tmp_path / "old.toml"
+    ((key, value),) = raw["outer"].items()
+    path.write_text(f"[outer]\n{key} = {value!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
 
 
 def test_toml_round_trip(tmp_path):
@@ -113,7 +167,7 @@ def test_toml_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, codec, consensus_pull"),
+        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, codec, feedback_decay, fgd"),
         (["run.workers=two"], "run.workers = 'two': expected int, got str"),
         (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
         (["outer.H=0"], "outer.H = 0: must be at least 1"),
@@ -201,8 +255,10 @@ def test_outer_keys_the_strategy_ignores_are_warned_about(make_config):
         make_config("outer.strategy=ddp", "outer.codec=int8")
     with pytest.warns(UserWarning, match=r"outer.param_codec = 'bf16'.*outer.strategy = 'diloco'"):
         make_config("outer.strategy=diloco", "outer.param_codec=bf16")
-    with pytest.warns(UserWarning, match=r"outer.mix2 = 'pairs'"):
-        make_config("outer.strategy=noloco", "outer.mix2=pairs")
+    with pytest.warns(UserWarning, match=r"outer.fgd.mix2 = 'pairs'.*outer.strategy = 'noloco'"):
+        make_config("outer.strategy=noloco", "outer.fgd.mix2=pairs")
+    with pytest.warns(UserWarning, match=r"outer.streaming.fragments = 2.*'diloco'"):
+        make_config("outer.strategy=diloco", "outer.streaming.fragments=2")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same keys where they are read: silent
-        make_config("outer.strategy=fgd", "outer.codec=int8", "outer.mix2=pairs")
+        make_config("outer.strategy=fgd", "outer.codec=int8", "outer.fgd.mix2=pairs")

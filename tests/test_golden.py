@@ -34,10 +34,14 @@ BASE = ("model.n_layer=2", "run.steps=12", "outer.H=4", "run.eval_every=0", "run
 STRATEGIES = {
     "ddp": ("outer.strategy='ddp'",),
     "diloco": ("outer.strategy='diloco'",),
-    "fgd-GlobalM1": ("outer.strategy='fgd'", "outer.preset='GlobalM1'"),
-    "fgd-GlobalM1LocalM2": ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"),
+    "fgd-GlobalM1": ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"),
+    "fgd-GlobalM1LocalM2": ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"),
     "noloco": ("outer.strategy='noloco'", "outer.momentum=0.5"),
-    "streaming": ("outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1"),
+    "streaming": (
+        "outer.strategy='streaming'",
+        "outer.streaming.fragments=2",
+        "outer.streaming.overlap=1",
+    ),
     "diloco-forge-adamw": ("outer.strategy='diloco'", "optim.name='forge-adamw'"),
 }
 SIMULATED = ("diloco", "fgd-GlobalM1LocalM2", "noloco")

@@ -38,22 +38,30 @@ LLAMA = (
 )
 JOBS = {
     "diloco": (),
-    "fgd-exact": ("outer.strategy='fgd'", "outer.mix2='complete'"),
+    "fgd-exact": ("outer.strategy='fgd'", "outer.fgd.mix2='complete'"),
     "diloco-hb": ("outer.nesterov=false", "outer.momentum=0.5"),
     "noloco-all": (
         "outer.strategy='noloco'",
-        "outer.group_size=4",
-        "outer.consensus_pull=0.0",
+        "outer.noloco.group_size=4",
+        "outer.noloco.consensus_pull=0.0",
         "outer.momentum=0.5",
     ),
-    "streaming-1": ("outer.strategy='streaming'", "outer.fragments=1", "outer.overlap=0"),
+    "streaming-1": (
+        "outer.strategy='streaming'",
+        "outer.streaming.fragments=1",
+        "outer.streaming.overlap=0",
+    ),
     "fgd-subset": (
         "outer.strategy='fgd'",
-        "outer.mix1='ring'",
-        "outer.mix2='pairs'",
-        "outer.mix2_params='embed+head+blocks:1'",
+        "outer.fgd.mix1='ring'",
+        "outer.fgd.mix2='pairs'",
+        "outer.fgd.mix2_params='embed+head+blocks:1'",
     ),
-    "streaming-2": ("outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1"),
+    "streaming-2": (
+        "outer.strategy='streaming'",
+        "outer.streaming.fragments=2",
+        "outer.streaming.overlap=1",
+    ),
     "ddp": ("outer.strategy='ddp'",),
     "diloco-forge": ("optim.name='forge-adamw'",),
 }
@@ -70,7 +78,11 @@ def _job(factory, root: Path, name: str, *sets: str):
 def runs(config_factory, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hf")
     jobs = [_job(config_factory, root, name, *sets) for name, sets in JOBS.items()]
-    det = ("run.deterministic_comm=true", "outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'")
+    det = (
+        "run.deterministic_comm=true",
+        "outer.strategy='fgd'",
+        "outer.fgd.preset='GlobalM1LocalM2'",
+    )
     jobs.append(_job(config_factory, root, "fgd-det", *det))
     out = train_in_gloo_pool(jobs, WORLD)
     sim_cfg = config_factory(root, *LLAMA, f"run.workers={WORLD}", *det)
@@ -139,7 +151,7 @@ def test_parts_map_onto_transformers_module_trees(make_config):
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_export_loads_in_transformers_with_the_same_loss(make_config, tmp_path, family):
-    sets = ("run.workers=2", "outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'")
+    sets = ("run.workers=2", "outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'")
     sets += ("run.steps=8", "outer.H=4", "run.eval_every=0", "run.threads=1")
     cfg = make_config(*(LLAMA if family == "llama" else ()), *sets)
     run_dir = launch.new_run_dir(cfg)

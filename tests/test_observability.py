@@ -23,9 +23,14 @@ from frugaltrain.train import launch
 from frugaltrain.train.round_log import RoundLog, RoundScalars
 
 WORKERS = 2
-REAL = ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'", "run.threads=1")
+REAL = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'", "run.threads=1")
 # Streaming names one operation per fragment: the per-op split must follow the config.
-SIM = ("outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1", "model.n_layer=2")
+SIM = (
+    "outer.strategy='streaming'",
+    "outer.streaming.fragments=2",
+    "outer.streaming.overlap=1",
+    "model.n_layer=2",
+)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.config import to_toml
 from frugaltrain.models import build_model
 from frugaltrain.models.parts import fragments, select
-from frugaltrain.outer import FactoredGossipDiLoCo
+from frugaltrain.outer import FactoredGossipDiLoCo, OuterSGD
 from frugaltrain.train.launch import new_run_dir
 from frugaltrain.train.loop import train_worker
 
@@ -45,9 +45,13 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize(
     "sets",
     [
-        ("outer.strategy='fgd'", "outer.mix2='pairs'"),
-        ("outer.strategy='fgd'", "outer.preset='GlobalM1'", "outer.momentum_policy='mixed'"),
-        ("outer.strategy='streaming'", "outer.fragments=1", "outer.overlap=0"),
+        ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'"),
+        (
+            "outer.strategy='fgd'",
+            "outer.fgd.preset='GlobalM1'",
+            "outer.fgd.momentum_policy='mixed'",
+        ),
+        ("outer.strategy='streaming'", "outer.streaming.fragments=1", "outer.streaming.overlap=0"),
         ("outer.strategy='noloco'", "outer.nesterov=false"),
     ],
 )
@@ -64,7 +68,7 @@ def test_momentum_reset_is_outer_sgd_with_a_larger_rate(make_config):
     # Cleared before every step, Nesterov's buffer is the step's own pseudo-gradient g, so the
     # step is gamma (g + mu g): plain outer SGD at gamma (1 + mu). Equal up to the rounding of
     # gamma (1 + mu) g against gamma g + gamma mu g (float32, a few rounds of a tiny model).
-    reset = make_config("outer.strategy='fgd'", "outer.momentum_policy='reset'")
+    reset = make_config("outer.strategy='fgd'", "outer.fgd.momentum_policy='reset'")
     sgd = make_config(f"outer.lr={0.7 * 1.9}", "outer.momentum=0.0", "run.name=sgd")
     a = _params(train_worker(reset, LocalComm(), _start(reset)).model)
     b = _params(train_worker(sgd, LocalComm(), _start(sgd)).model)
@@ -80,11 +84,11 @@ def test_mix2_momentum_makes_pair_partners_equal(make_config):
     from frugaltrain.comm.topology import mixing_matrix
     from frugaltrain.sim import SimSection, simulate
 
-    sets = ("run.workers=4", "outer.strategy='fgd'", "outer.mix2='pairs'", "run.eval_every=0")
+    sets = ("run.workers=4", "outer.strategy='fgd'", "outer.fgd.mix2='pairs'", "run.eval_every=0")
     sets += ("run.steps=24",)  # 4 rounds: the last round pairs workers the earlier ones did not
     finals = {}
     for flag in ("true", "false"):
-        cfg = make_config(*sets, f"outer.mix2_momentum={flag}")
+        cfg = make_config(*sets, f"outer.fgd.mix2_momentum={flag}")
         finals[flag] = [_params(m) for m in simulate(cfg, SimSection(ratio=0.5)).models]
     rounds = 24 // 6
     w2 = mixing_matrix("pairs", 4, rounds - 1, seed=1)  # the last round's pairs (seed + 1)
@@ -104,7 +108,7 @@ def test_param_subsets_and_fragments(make_config):
     assert chosen["wte.weight"] and chosen["head.weight"] and chosen["ln_f.weight"]
     assert chosen["blocks.0.attn.qkv.weight"] and not chosen["blocks.1.attn.qkv.weight"]
     assert select(names, "blocks.2.*") == [n.startswith("blocks.2.") for n in names]
-    with pytest.raises(ValueError, match="matches no parameter"):
+    with pytest.raises(ValueError, match="part .decoder. selects no tensor"):
         select(names, "embed+decoder")
     owner = dict(zip(names, fragments(names, 2), strict=True))
     assert owner["blocks.0.mlp.fc.weight"] == owner["blocks.2.mlp.fc.weight"] == 0
@@ -174,37 +178,42 @@ def _cases(factory, root: Path) -> list[tuple]:
 
     jobs = [
         job("diloco"),
-        job("fgd-exact", "outer.strategy='fgd'", "outer.mix2='complete'"),
+        job("fgd-exact", "outer.strategy='fgd'", "outer.fgd.mix2='complete'"),
         job("diloco-hb", "outer.nesterov=false", "outer.momentum=0.5"),
         job(
             "noloco-all",
             "outer.strategy='noloco'",
-            "outer.group_size=4",
-            "outer.consensus_pull=0.0",
+            "outer.noloco.group_size=4",
+            "outer.noloco.consensus_pull=0.0",
             "outer.momentum=0.5",
         ),
-        job("streaming-1", "outer.strategy='streaming'", "outer.fragments=1", "outer.overlap=0"),
+        job(
+            "streaming-1",
+            "outer.strategy='streaming'",
+            "outer.streaming.fragments=1",
+            "outer.streaming.overlap=0",
+        ),
         job(
             "streaming-2",
             "outer.strategy='streaming'",
-            "outer.fragments=2",
-            "outer.overlap=1",
+            "outer.streaming.fragments=2",
+            "outer.streaming.overlap=1",
             "outer.codec='e3m0'",
         ),
         job(
             "fgd-full",
             "outer.strategy='fgd'",
-            "outer.mix1='ring'",
-            "outer.mix2='pairs'",
-            "outer.mix2_params='embed+head'",
+            "outer.fgd.mix1='ring'",
+            "outer.fgd.mix2='pairs'",
+            "outer.fgd.mix2_params='embed+head'",
             "run.checkpoint_every=1",
         ),
         job(
             "fgd-part",
             "outer.strategy='fgd'",
-            "outer.mix1='ring'",
-            "outer.mix2='pairs'",
-            "outer.mix2_params='embed+head'",
+            "outer.fgd.mix1='ring'",
+            "outer.fgd.mix2='pairs'",
+            "outer.fgd.mix2_params='embed+head'",
             "run.checkpoint_every=1",
             "run.stop_at_round=2",
         ),
@@ -297,3 +306,30 @@ def test_consensus_metrics_match_brute_force(gloo_runs, tmp_path_factory):
     groups = sum(gossip[f"consensus/{g}"] for g in ("embed", "blocks", "head", "other"))
     assert groups == pytest.approx(gossip["consensus/total"], rel=1e-9)
     assert 0 < gossip["disagreement/logit_js"] < 0.6931
+
+
+@pytest.mark.parametrize("momentum, nesterov", [(0.9, True), (0.5, False), (0.0, True)])
+def test_outer_sgd_is_torch_sgd_bit_for_bit(momentum, nesterov):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 2, 4)]
+    ref = [torch.randn(s, generator=gen) for s in shapes]
+    mine = [x.clone() for x in ref]
+    torch_sgd = torch.optim.SGD(ref, lr=0.7, momentum=momentum, nesterov=nesterov and momentum > 0)
+    outer = OuterSGD(mine, 0.7, momentum, nesterov)
+    for step in range(4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        chosen = [0, 2] if step == 1 else [0, 1, 2]  # a step over some tensors (Streaming)
+        for i, x in enumerate(ref):
+            x.grad = grads[i] if i in chosen else None
+        torch_sgd.step()
+        outer.step(chosen, [grads[i] for i in chosen])
+        _assert_same(ref, mine)
+    if momentum:
+        bufs = [torch_sgd.state[x]["momentum_buffer"] for x in ref]
+        _assert_same(bufs, outer.momenta)
+    again = OuterSGD([x.clone() for x in mine], 0.1, 0.0, False)
+    again.load_state_dict(torch_sgd.state_dict())  # torch's layout loads, and ours round-trips
+    assert again.state_dict()["param_groups"][0]["lr"] == 0.7
+    if momentum:
+        _assert_same(again.momenta, outer.momenta)
+        assert again.momenta[0] is not outer.momenta[0]

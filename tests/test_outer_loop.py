@@ -24,7 +24,7 @@ import frugaltrain
 from frugaltrain import ConfigError
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
-from frugaltrain.config import to_toml
+from frugaltrain.config import flat_items, nest_outer_keys, to_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.forge import forge_optimizer
 from frugaltrain.models import build_model
@@ -38,7 +38,8 @@ BASE = (
     *("optim.warmup_steps=0", "optim.min_lr_ratio=1.0", "optim.grad_clip=0"),
     *("model.n_layer=2", "run.steps=12", "outer.H=4", "run.eval_every=0", "run.threads=1"),
 )
-# wrap's keywords per case; the same keys, as outer.* overrides, configure `frugaltrain train`.
+# wrap's keywords per case; the same keys, as outer.* overrides (a strategy's own keys in its
+# sub-section, e.g. outer.fgd.preset), configure `frugaltrain train`.
 CASES = {
     "ddp": {"strategy": "ddp"},
     "diloco": {"strategy": "diloco"},
@@ -49,7 +50,8 @@ CASES = {
 
 
 def _config(factory, root: Path, name: str, workers: int):
-    sets = [f"outer.{k}={v!r}" for k, v in CASES[name].items()]
+    table = nest_outer_keys(CASES[name])  # wrap's flat keywords, as [outer] and its sub-sections
+    sets = [f"outer.{k}={v!r}" for k, v in flat_items(table).items()]
     cfg = factory(root, *BASE, *sets, f"run.workers={workers}", f"run.name={name!r}")
     run_dir = new_run_dir(cfg)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -241,7 +243,10 @@ def test_close_inside_a_round_warns_unless_an_error_ends_it():
         ({"param_codec": "topk:0.1"}, "outer.param_codec = 'topk:0.1': choose one of fp32"),
         ({"strategy": "fgd", "mixing": "ring"}, "unknown key outer.mixing; valid keys here"),
         ({"H": -1}, "outer.H = -1: must be at least 1"),
-        ({"H": 6, "strategy": "streaming", "fragments": 4}, "outer.fragments = 4: must divide"),
+        (
+            {"H": 6, "strategy": "streaming", "fragments": 4},
+            "outer.streaming.fragments = 4: must divide",
+        ),
     ],
 )
 def test_bad_keys_are_one_line_errors_before_any_hook(keys, message):

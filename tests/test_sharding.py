@@ -38,7 +38,7 @@ BASE = ("model.n_layer=2", "run.steps=6", "outer.H=3", "run.eval_every=6", "run.
 MODELS = {"gpt": (), "llama": TINY_LLAMA}
 STRATEGIES = {
     "diloco": ("outer.strategy='diloco'",),
-    "fgd": ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"),
+    "fgd": ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"),
 }
 CASES = [(m, s) for m in MODELS for s in STRATEGIES]
 

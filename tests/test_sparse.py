@@ -102,8 +102,8 @@ def _params(result) -> list[list[torch.Tensor]]:
     "sets",
     [
         ("outer.strategy='diloco'",),
-        ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"),
-        ("outer.strategy='streaming'", "outer.fragments=2", "model.n_layer=2"),
+        ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"),
+        ("outer.strategy='streaming'", "outer.streaming.fragments=2", "model.n_layer=2"),
         ("outer.strategy='noloco'",),
     ],
     ids=["diloco", "fgd", "streaming", "noloco"],
@@ -142,7 +142,7 @@ def test_error_feedback_resumes_exactly_and_is_dropped_on_rejoin(make_config, st
         "run.checkpoint_every=1",
     )
     if strategy == "fgd":
-        sets += ("outer.preset='GlobalM1LocalM2'",)
+        sets += ("outer.fgd.preset='GlobalM1LocalM2'",)
     full = make_config(*sets, "run.name=full")
     full_dir = new_run_dir(full)
     (full_dir / "config.toml").write_text(to_toml(full))

@@ -3,15 +3,15 @@ keep.
 
 Like torchft's LocalSGD and DiLoCo, `wrap` hooks your torch.optim optimizer and leaves your loop
 alone: `loss.backward(); opt.step(); opt.zero_grad()`. The strategy is the same object
-`frugaltrain train` builds (outer.STRATEGIES), its keywords are the [outer] config keys, checked
-by the config's own rules (config.OuterSection), and it talks through the same Comm. See
+`frugaltrain train` builds (outer.build_strategy), its keywords are the [outer] config keys,
+checked by the config's own rules (config.OuterSection), and it talks through the same Comm. See
 docs/library.md.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,16 @@ from torch import nn
 
 from frugaltrain.comm import Comm, LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
-from frugaltrain.config import OUTER_KEYS, ConfigError, OuterSection, build_config, require
+from frugaltrain.config import (
+    OUTER_KEYS,
+    ConfigError,
+    OuterSection,
+    build_config,
+    nest_outer_keys,
+    unused_outer_keys,
+)
 from frugaltrain.forge import ForgeOptimizer
-from frugaltrain.outer import DDP, STRATEGIES
-
-_UNUSED_WARNING = r".*: no effect with outer\.strategy = "  # config.training, promoted to errors
+from frugaltrain.outer import DDP, Strategy, build_strategy
 
 
 @dataclass(kw_only=True)
@@ -95,10 +100,12 @@ def wrap(
             (TorchDistComm) when it is initialized, else one worker (LocalComm), where every
             strategy reduces to single-worker DiLoCo (ddp to plain training).
         seed: run.seed of a config: seeds what a strategy draws (gossip pairs, NoLoCo groups).
-        **outer_keys: the other [outer] keys the strategy reads (config.OUTER_KEYS), e.g.
-            lr (gamma), momentum (mu), nesterov, codec, feedback_decay (not ddp); fgd:
-            preset, mix1, mix2, mix2_params, momentum_policy, param_codec; noloco:
-            group_size, consensus_pull, param_codec; streaming: fragments (P), overlap (tau),
+        **outer_keys: the other [outer] keys the strategy reads (config.OUTER_KEYS), flat:
+            the shared ones, e.g. lr (gamma), momentum (mu), nesterov, codec, feedback_decay
+            (not ddp), param_codec (fgd, noloco), and the keys of its own sub-section, which
+            wrap places there: fgd (outer.fgd): preset, mix1, mix2, mix2_params,
+            momentum_policy, mix1_weight, mix2_momentum; noloco (outer.noloco): group_size,
+            consensus_pull; streaming (outer.streaming): fragments (P), overlap (tau),
             merge_alpha.
 
     Raises (before any hook is installed): ConfigError (a ValueError), one line in the config's
@@ -110,9 +117,7 @@ def wrap(
     o = _outer_section(strategy, H, outer_keys)
     if comm is None:
         comm = TorchDistComm() if dist.is_available() and dist.is_initialized() else LocalComm()
-    keys = {k: getattr(o, k) for k in OUTER_KEYS[o.strategy] if k != "strategy"}
-    built = STRATEGIES[o.strategy](model, comm, **keys, seed=seed)  # as outer.build_strategy
-    return OuterLoop(o.strategy, built, optimizer, comm, o.H)
+    return OuterLoop(o.strategy, build_strategy(o, model, comm, seed=seed), optimizer, comm, o.H)
 
 
 class OuterLoop:
@@ -127,7 +132,9 @@ class OuterLoop:
         strategy: the strategy object (outer.STRATEGIES); strategy_name: its name.
     """
 
-    def __init__(self, name: str, strategy, optimizer: torch.optim.Optimizer, comm: Comm, H: int):
+    def __init__(
+        self, name: str, strategy: Strategy, optimizer: torch.optim.Optimizer, comm: Comm, H: int
+    ):
         self.strategy_name = name
         self.strategy = strategy
         self.comm = comm
@@ -219,19 +226,16 @@ def _check_optimizer(optimizer) -> None:
 
 
 def _outer_section(strategy: str, H: int, keys: dict) -> OuterSection:
-    """The [outer] section of these keywords, refused exactly as a config would refuse it; a key
-    the strategy does not read is an error here, since it was passed on purpose."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_UNUSED_WARNING)
-        o = build_config(_OuterOnly, {"outer": {"strategy": strategy, "H": H, **keys}}).outer
-    reads = OUTER_KEYS[o.strategy]
-    defaults = {f.name: f.default for f in fields(OuterSection)}
-    for key in keys:
-        require(
-            key in reads or getattr(o, key) == defaults[key],
-            f"outer.{key}",
-            getattr(o, key),
-            f"no effect with outer.strategy = {o.strategy!r}, which reads "
-            f"{', '.join(k for k in reads if k != 'strategy')}; drop it",
+    """The [outer] section of these keywords (a strategy's own keys go to its sub-section),
+    refused exactly as a config would refuse it; a key the strategy does not read is an error
+    here, since it was passed on purpose."""
+    table = nest_outer_keys({"strategy": strategy, "H": H, **keys})
+    o = build_config(_OuterOnly, {"outer": table}).outer
+    unused = unused_outer_keys(o)
+    if unused:
+        (key, value), reads = unused[0], [k for k in OUTER_KEYS[o.strategy] if k != "strategy"]
+        raise ConfigError(
+            f"{key} = {value!r}: no effect with outer.strategy = {o.strategy!r}, which reads "
+            f"{', '.join(reads)}; drop it"
         )
     return o

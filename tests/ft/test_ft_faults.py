@@ -21,7 +21,7 @@ from frugaltrain.train import launch
 COMMON = [
     "run.workers=3",
     "outer.strategy='fgd'",
-    "outer.preset='GlobalM1'",
+    "outer.fgd.preset='GlobalM1'",
     "outer.H=4",
     "model.n_embd=48",
     "run.eval_every=40",
@@ -87,10 +87,10 @@ def test_ft_kill_and_rejoin(config_factory, tmp_path: Path):
     "strategy, timeout_s",
     [
         # fgd: worker 1's Mix1 message is late (1 s deadline), and its heartbeat has stopped.
-        (["outer.strategy='fgd'", "outer.preset='GlobalM1'"], 3.0),
+        (["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"], 3.0),
         # diloco: the blocking all-reduce sees the stopped heartbeat, with the default 300 s
         # run.timeout_s: a hung worker costs the heartbeat timeout (3 s), never the deadline.
-        (["outer.strategy='diloco'", "outer.preset=''"], 300.0),
+        (["outer.strategy='diloco'", "outer.fgd.preset=''"], 300.0),
     ],
     ids=["fgd-mix1-deadline", "diloco-blocking-wait"],
 )
@@ -147,7 +147,9 @@ def test_ft_straggler_delays_only_blocking_participants(config_factory, tmp_path
     ]
     _, _, fgd = _run(config_factory(tmp_path / "fgd", *common))
     _, _, diloco = _run(
-        config_factory(tmp_path / "diloco", *common, "outer.strategy='diloco'", "outer.preset=''")
+        config_factory(
+            tmp_path / "diloco", *common, "outer.strategy='diloco'", "outer.fgd.preset=''"
+        )
     )
 
     for records in (fgd, diloco):  # nobody was dropped, every round was logged

@@ -33,7 +33,7 @@ COMMON = [
 ]
 STRATEGIES = {
     "diloco": ["outer.strategy='diloco'"],
-    "fgd": ["outer.strategy='fgd'", "outer.preset='GlobalM1'"],
+    "fgd": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"],
 }
 
 

@@ -24,10 +24,13 @@ GENTLE = ["outer.lr=0.5", "outer.momentum=0.5"]  # a calm outer step (test_ft_fa
 STRATEGIES = {
     "ddp": ["outer.strategy='ddp'"],
     "diloco": ["outer.strategy='diloco'", *GENTLE],
-    "fgd": ["outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'", *GENTLE],
+    "fgd": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'", *GENTLE],
     "noloco": ["outer.strategy='noloco'", *GENTLE],
     "streaming": [
-        "outer.strategy='streaming'", "outer.fragments=2", "outer.overlap=1", "model.n_layer=2",
+        "outer.strategy='streaming'",
+        "outer.streaming.fragments=2",
+        "outer.streaming.overlap=1",
+        "model.n_layer=2",
         *GENTLE,
     ],
 }  # fmt: skip

@@ -16,17 +16,17 @@ from frugaltrain.train.launch import new_run_dir
 WORLD = 4
 CASES = {
     "diloco": ("outer.strategy='diloco'",),
-    "fgd": ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'"),
+    "fgd": ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"),
     "fgd-topk": (  # sparse Mix2: top-k selection would amplify any last-bit difference
         "outer.strategy='fgd'",
-        "outer.preset='GlobalM1LocalM2'",
+        "outer.fgd.preset='GlobalM1LocalM2'",
         "outer.codec='topk:0.1+2bit'",
     ),
     "fgd-ring": (
         "outer.strategy='fgd'",
-        "outer.mix1='ring'",
-        "outer.mix2='pairs'",
-        "outer.mix2_params='embed+head'",
+        "outer.fgd.mix1='ring'",
+        "outer.fgd.mix2='pairs'",
+        "outer.fgd.mix2_params='embed+head'",
     ),
 }
 

@@ -99,8 +99,8 @@ def test_crashed_worker_rejoins_with_neighbour_state(make_config):
         "run.workers=4",
         "run.steps=36",
         "outer.strategy='fgd'",
-        "outer.mix1='ring'",
-        "outer.mix2='none'",
+        "outer.fgd.mix1='ring'",
+        "outer.fgd.mix2='none'",
         "run.eval_every=0",
     )
     res = simulate(cfg, SimSection(ratio=0.5, crash_worker=2, crash_round=2, crash_rounds=2))
@@ -115,8 +115,8 @@ def test_crashed_worker_rejoins_with_neighbour_state(make_config):
         "run.workers=4",
         "run.steps=24",
         "outer.strategy='fgd'",
-        "outer.mix1='ring'",
-        "outer.mix2='none'",
+        "outer.fgd.mix1='ring'",
+        "outer.fgd.mix2='none'",
         "run.eval_every=0",
     )
     res2 = simulate(cfg2, SimSection(ratio=0.5, crash_worker=2, crash_round=2, crash_rounds=2))

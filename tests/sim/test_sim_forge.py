@@ -9,7 +9,7 @@ from frugaltrain.sim.config import SimConfig
 def test_forge_adamw_workers_match_adamw_workers(make_config):
     # 4 workers on 2 compute threads, so fused backwards of different workers run concurrently;
     # grad_clip 0.5 makes FORGE take its exact two-pass clipping path.
-    sets = ("run.workers=4", "run.steps=12", "outer.strategy='fgd'", "outer.mix1='ring'")
+    sets = ("run.workers=4", "run.steps=12", "outer.strategy='fgd'", "outer.fgd.mix1='ring'")
     sets += ("run.eval_every=0", "optim.grad_clip=0.5")
     ref = simulate(make_config(*sets), SimSection(ratio=0.5, compute_threads=2))
     forge_cfg = make_config(*sets, "optim.name='forge-adamw'")

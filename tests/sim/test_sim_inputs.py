@@ -12,8 +12,8 @@ from frugaltrain.sim import SimSection, simulate
 from frugaltrain.sim.config import build_sim
 from frugaltrain.sim.network import Network
 
-GLOBALM1 = ("outer.strategy='fgd'", "outer.preset='GlobalM1'")
-LOCALM2 = ("outer.strategy='fgd'", "outer.preset='GlobalM1LocalM2'")
+GLOBALM1 = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'")
+LOCALM2 = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'")
 
 
 def test_p2p_ratio_scales_point_to_point_only():

@@ -144,6 +144,9 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
+            moved = _moved_to(hints, key)
+            if issubclass(cls, Section) and moved:
+                raise ConfigError(f"unknown key {prefix}{key}: it is now {prefix}{moved}")
             near = ", ".join(sorted(fields))
             raise ConfigError(f"unknown key {prefix}{key}; valid keys here: {near}")
     kwargs = {}
@@ -156,6 +159,14 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
         else:
             kwargs[name] = _coerce(f"{prefix}{name}", value, tp)
     return cls(**kwargs)
+
+
+def _moved_to(hints: dict, key: str) -> str | None:
+    """`sub.key` when a nested section of this one holds `key` (a key that moved down a level)."""
+    for name, tp in hints.items():
+        if dataclasses.is_dataclass(tp) and key in {f.name for f in dataclasses.fields(tp)}:
+            return f"{name}.{key}"
+    return None
 
 
 def build_config(cls: type, raw: dict | None = None, overrides: list[str] | None = None) -> Any:
@@ -211,8 +222,22 @@ def to_toml(cfg: Any) -> str:
 
 
 def section_toml(name: str, values: dict) -> str:
-    lines = [f"[{name}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()]
-    return "\n".join(lines) + "\n\n"
+    """`[name]` with its keys, then each nested section as its own table `[name.sub]`."""
+    plain = {k: v for k, v in values.items() if not isinstance(v, dict)}
+    lines = [f"[{name}]"] + [f"{key} = {_toml_value(value)}" for key, value in plain.items()]
+    nested = (section_toml(f"{name}.{k}", v) for k, v in values.items() if isinstance(v, dict))
+    return "\n".join(lines) + "\n\n" + "".join(nested)
+
+
+def flat_items(values: dict, prefix: str = "") -> dict:
+    """A nested config dict as {dotted key: value}, e.g. {"outer.fgd.mix1": "complete"}."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat_items(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _toml_value(v: Any) -> str:

@@ -1,4 +1,6 @@
-"""The training config: five sections (`[run] [data] [model] [optim] [outer]`), one class each.
+"""The training config: five sections (`[run] [data] [model] [optim] [outer]`), one class each;
+[outer] nests one sub-section per strategy with keys of its own ([outer.fgd], [outer.noloco],
+[outer.streaming]).
 
 Each section checks its own fields; `Config` checks the rules that span sections (outer.H
 against run.steps, FORGE with ddp, Streaming's fragments against the model's blocks). The
@@ -11,33 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
 
 import frugaltrain.faults as faults
 from frugaltrain.config.base import ConfigError, Section, require
 
-# The [outer] keys each strategy reads: the names `outer.strategy` accepts (outer.STRATEGIES
-# maps them to classes, whose constructors take these keys), and the keys warned about when set
-# for a strategy that ignores them.
-OUTER_KEYS = {
-    "ddp": ("strategy", "H"),
-    "diloco": ("strategy", "H", "lr", "momentum", "nesterov", "codec", "feedback_decay"),
-    "fgd": (
-        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "feedback_decay"),
-        *("param_codec", "preset", "mix1", "mix2", "mix2_params", "momentum_policy"),
-        *("mix1_weight", "mix2_momentum"),
-    ),
-    "noloco": (
-        *("strategy", "H", "lr", "momentum", "codec", "feedback_decay", "param_codec"),
-        *("group_size", "consensus_pull"),
-    ),
-    "streaming": (
-        *("strategy", "H", "lr", "momentum", "nesterov", "codec", "feedback_decay"),
-        *("fragments", "overlap", "merge_alpha"),
-    ),
+# The shared [outer] keys each strategy reads (besides outer.strategy); each also reads all of
+# its own sub-section ([outer.fgd], [outer.noloco], [outer.streaming]), so the full list,
+# OUTER_KEYS, is derived from the dataclasses below. The names are those `outer.strategy`
+# accepts; outer.STRATEGIES maps them to classes whose constructors take these keys.
+_ROUND_KEYS = ("H", "lr", "momentum", "nesterov", "codec", "feedback_decay")
+SHARED_KEYS = {
+    "ddp": ("H",),
+    "diloco": _ROUND_KEYS,
+    "fgd": (*_ROUND_KEYS, "param_codec"),
+    "noloco": ("H", "lr", "momentum", "codec", "feedback_decay", "param_codec"),
+    "streaming": _ROUND_KEYS,
 }
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
 MODEL_FAMILIES = ("gpt", "llama", "qwen2", "gpt2", "hf")  # built in models/__init__.py
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
@@ -174,6 +172,11 @@ class RunSection(Section):
             "must be a plain name (letters, digits, '.', '_', '-'): the run directory is "
             "run.out_dir/run.name; set run.out_dir to put runs elsewhere",
         )
+        self.require(
+            not Path(self.out_dir).expanduser().is_file(),
+            "out_dir",
+            "is a file; run directories are made under run.out_dir: give a directory",
+        )
         for name in ("workers", "shards", "steps", "eval_batches"):
             self.at_least(name, 1)
         self.at_least("eval_every", 0, "0: end only")
@@ -223,6 +226,13 @@ class DataSection(Section):
     """Sequences per inner step per worker."""
 
     def check(self) -> None:
+        if self.path.startswith("markov:"):  # its keys are data/markov.py's, checked on load
+            items = [i.strip() for i in self.path.removeprefix("markov:").split(",") if i.strip()]
+            self.require(
+                all(_MARKOV_ITEM.fullmatch(i) for i in items),
+                "path",
+                "a synthetic source is markov:KEY=NUMBER,... (e.g. markov:order=2,symbols=32)",
+            )
         self.one_of("sharding", ("iid", "noniid"))
         self.require(0 < self.val_fraction < 1, "val_fraction", "must be strictly between 0 and 1")
         self.at_least("seq_len", 2)
@@ -327,7 +337,101 @@ class OptimSection(Section):
 
 
 @dataclass(kw_only=True)
+class FgdSection(Section):
+    """[outer.fgd]: the keys of Factored Gossip DiLoCo alone."""
+
+    section = "outer.fgd"
+    resolved_here: ClassVar[tuple[str, ...]] = ("preset",)
+    """Keys the config applies itself (a preset sets mix1, mix2, mix2_params); the strategy's
+    constructor does not take them."""
+    preset: str = ""
+    """A named variant that sets mix1/mix2/mix2_params: GlobalM1 (complete / none) or
+    GlobalM1LocalM2 (complete / pairs on all tensors). Empty: use the keys as given."""
+    mix1: str = "complete"
+    """Topology of the non-blocking parameter mix (complete, ring, pairs, exponential, none)."""
+    mix2: str = "none"
+    """Topology of the blocking pseudo-gradient mix."""
+    mix2_params: str = "all"
+    """Tensors Mix2 covers: all, none, or '+'-joined parts among embed, head, blocks:K (the
+    first K blocks) and fnmatch patterns of parameter names, e.g. embed+head+blocks:2."""
+    momentum_policy: str = "local"
+    """local (each worker keeps its outer momentum), mixed (Mix1 also mixes it: the paper's
+    GlobalM1S, reported to spike) or reset (cleared before every outer step: outer SGD with
+    learning rate gamma (1 + mu), no momentum carried across rounds)."""
+    mix1_weight: float = 1.0
+    """alpha, how much of Mix1 a worker takes: y_i = (1 - alpha) x_i + alpha (W1 x)_i (1: the
+    full mix, 0: no Mix1)."""
+    mix2_momentum: bool = False
+    """Mix2 also mixes the chosen tensors' outer momentum, so it mixes their post-momentum
+    update rather than only the raw pseudo-gradient (with a complete Mix2 on all tensors both
+    are DiLoCo)."""
+
+    def check(self) -> None:
+        self.require(
+            self.preset in ("", *FGD_PRESETS),
+            "preset",
+            f"choose one of {', '.join(FGD_PRESETS)} or leave empty",
+        )
+        self._apply_preset()
+        self.one_of("mix1", TOPOLOGIES)
+        self.one_of("mix2", TOPOLOGIES)
+        error = mix2_params_error(self.mix2_params)
+        self.require(error is None, "mix2_params", error or "")
+        self.one_of("momentum_policy", ("local", "mixed", "reset"))
+        self.require(0 <= self.mix1_weight <= 1, "mix1_weight", "must be in [0, 1]")
+
+    def _apply_preset(self) -> None:
+        """Refuse a key set against the preset, then hold the preset's values (so the strategy
+        and anything reading the section see the resolved keys)."""
+        for key, value in FGD_PRESETS.get(self.preset, {}).items():
+            default = next(f.default for f in dataclasses.fields(self) if f.name == key)
+            self.require(
+                getattr(self, key) in (value, default),
+                key,
+                f"conflicts with {self.key('preset')} = {self.preset!r} (which sets {value!r}); "
+                "drop one",
+            )
+            setattr(self, key, value)
+
+
+@dataclass(kw_only=True)
+class NolocoSection(Section):
+    """[outer.noloco]: the keys of NoLoCo alone."""
+
+    section = "outer.noloco"
+    group_size: int = 2
+    """Workers per random group each round."""
+    consensus_pull: float = 0.7
+    """gamma, the pull towards the group's mean parameters (public code: = outer lr)."""
+
+    def check(self) -> None:
+        self.at_least("group_size", 2)
+        self.at_least("consensus_pull", 0)
+
+
+@dataclass(kw_only=True)
+class StreamingSection(Section):
+    """[outer.streaming]: the keys of Streaming DiLoCo alone."""
+
+    section = "outer.streaming"
+    fragments: int = 4
+    """Number of parameter fragments P (strided over blocks)."""
+    overlap: int = 1
+    """Inner steps tau between sending a fragment and applying its outer step."""
+    merge_alpha: float = 0.0
+    """theta <- alpha theta + (1 - alpha) x_new for a synced fragment (0: replace)."""
+
+    def check(self) -> None:
+        self.at_least("fragments", 1)
+        self.at_least("overlap", 0)
+        self.require(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
+
+
+@dataclass(kw_only=True)
 class OuterSection(Section):
+    """[outer]: the keys several strategies share, and one sub-section per strategy with keys
+    of its own (a sub-section is read only by the strategy it is named after)."""
+
     section = "outer"
     strategy: str = "diloco"
     """Outer strategy: ddp, diloco, fgd (Factored Gossip DiLoCo), noloco or streaming."""
@@ -350,41 +454,15 @@ class OuterSection(Section):
     param_codec: str = ""
     """fgd's Mix1 and noloco's pull send parameters, which top-k cannot thin: their dense
     encoding (fp32, bf16, int8, e3m0). Empty: outer.codec when it is dense, else fp32."""
-    preset: str = ""
-    """fgd only: a named variant that sets mix1/mix2/mix2_params: GlobalM1 (complete / none) or
-    GlobalM1LocalM2 (complete / pairs on all tensors). Empty: use the keys as given."""
-    mix1: str = "complete"
-    """fgd: topology of the non-blocking parameter mix (complete, ring, pairs, exponential,
-    none)."""
-    mix2: str = "none"
-    """fgd: topology of the blocking pseudo-gradient mix."""
-    mix2_params: str = "all"
-    """fgd: tensors Mix2 covers: all, none, or '+'-joined parts among embed, head, blocks:K (the
-    first K blocks) and fnmatch patterns of parameter names, e.g. embed+head+blocks:2."""
-    momentum_policy: str = "local"
-    """fgd: local (each worker keeps its outer momentum), mixed (Mix1 also mixes it: the paper's
-    GlobalM1S, reported to spike) or reset (cleared before every outer step: outer SGD with
-    learning rate gamma (1 + mu), no momentum carried across rounds)."""
-    mix1_weight: float = 1.0
-    """fgd: alpha, how much of Mix1 a worker takes: y_i = (1 - alpha) x_i + alpha (W1 x)_i
-    (1: the full mix, 0: no Mix1)."""
-    mix2_momentum: bool = False
-    """fgd: Mix2 also mixes the chosen tensors' outer momentum, so it mixes their post-momentum
-    update rather than only the raw pseudo-gradient (with a complete Mix2 on all tensors both
-    are DiLoCo)."""
-    group_size: int = 2
-    """noloco: workers per random group each round."""
-    consensus_pull: float = 0.7
-    """noloco: gamma, the pull towards the group's mean parameters (public code: = outer lr)."""
-    fragments: int = 4
-    """streaming: number of parameter fragments P (strided over blocks)."""
-    overlap: int = 1
-    """streaming: inner steps tau between sending a fragment and applying its outer step."""
-    merge_alpha: float = 0.0
-    """streaming: theta <- alpha theta + (1 - alpha) x_new for a synced fragment (0: replace)."""
+    fgd: FgdSection = field(default_factory=FgdSection)
+    """Factored Gossip DiLoCo's own keys ([outer.fgd])."""
+    noloco: NolocoSection = field(default_factory=NolocoSection)
+    """NoLoCo's own keys ([outer.noloco])."""
+    streaming: StreamingSection = field(default_factory=StreamingSection)
+    """Streaming DiLoCo's own keys ([outer.streaming])."""
 
     def check(self) -> None:
-        self.one_of("strategy", OUTER_KEYS)
+        self.one_of("strategy", SHARED_KEYS)
         self.at_least("H", 1, "inner steps per outer round")
         self.positive("lr")
         self.require(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
@@ -394,59 +472,143 @@ class OuterSection(Section):
                 error = codec_error(value, dense_only=key == "param_codec")
                 self.require(error is None, key, error or "")
         self.require(0 <= self.feedback_decay <= 1, "feedback_decay", "must be in [0, 1]")
-        self.require(
-            self.preset in ("", *FGD_PRESETS),
-            "preset",
-            f"choose one of {', '.join(FGD_PRESETS)} or leave empty",
-        )
-        self.require(
-            not self.preset or self.strategy == "fgd",
+        self.fgd.require(
+            not self.fgd.preset or self.strategy == "fgd",
             "preset",
             "presets name fgd variants; set outer.strategy = 'fgd' or drop the preset",
         )
-        for key, value in FGD_PRESETS.get(self.preset, {}).items():
-            default = next(f.default for f in dataclasses.fields(self) if f.name == key)
-            self.require(
-                getattr(self, key) in (value, default),
-                key,
-                f"conflicts with outer.preset = {self.preset!r} (which sets {value!r}); drop one",
-            )
-        self.one_of("mix1", TOPOLOGIES)
-        self.one_of("mix2", TOPOLOGIES)
-        self.one_of("momentum_policy", ("local", "mixed", "reset"))
-        self.require(0 <= self.mix1_weight <= 1, "mix1_weight", "must be in [0, 1]")
-        self.at_least("group_size", 2)
-        self.at_least("consensus_pull", 0)
-        self.require(0 <= self.merge_alpha <= 1, "merge_alpha", "must be in [0, 1]")
-        self.at_least("fragments", 1)
         if self.strategy == "streaming":
-            self.require(
-                self.H % self.fragments == 0,
-                "fragments",
-                f"must divide outer.H = {self.H} so fragments fire at offsets k H / P",
-            )
-            self.require(
-                0 <= self.overlap < self.H // self.fragments,
-                "overlap",
-                f"must be in [0, outer.H / outer.fragments = {self.H // self.fragments}) so a "
-                "fragment is sent inside its own slot of the round",
-            )
-        _warn_unused_outer_keys(self)
+            self._check_streaming_schedule()
+
+    def _check_streaming_schedule(self) -> None:
+        s = self.streaming
+        s.require(
+            self.H % s.fragments == 0,
+            "fragments",
+            f"must divide outer.H = {self.H} so fragments fire at offsets k H / P",
+        )
+        s.require(
+            s.overlap < self.H // s.fragments,
+            "overlap",
+            f"must be in [0, outer.H / {s.key('fragments')} = {self.H // s.fragments}) so a "
+            "fragment is sent inside its own slot of the round",
+        )
+
+    def own_section(self) -> Section | None:
+        """The chosen strategy's sub-section (None: it has none, e.g. diloco)."""
+        return getattr(self, self.strategy) if self.strategy in strategy_sections() else None
+
+    def strategy_keys(self) -> dict[str, Any]:
+        """The keywords of the chosen strategy's constructor: the shared keys it reads and its
+        own sub-section's keys (less those the config resolved itself, e.g. fgd's preset)."""
+        keys = {k: getattr(self, k) for k in SHARED_KEYS[self.strategy]}
+        own = self.own_section()
+        skip = getattr(own, "resolved_here", ())
+        for f in dataclasses.fields(own) if own else ():
+            if f.name not in skip:
+                keys[f.name] = getattr(own, f.name)
+        return keys
+
+
+def strategy_sections() -> dict[str, type]:
+    """{strategy: its sub-section's class}, from OuterSection's nested fields."""
+    hints = typing.get_type_hints(OuterSection)
+    return {name: tp for name, tp in hints.items() if dataclasses.is_dataclass(tp)}
+
+
+def outer_keys(strategy: str) -> tuple[str, ...]:
+    """The keys under [outer] that `strategy` reads, dotted below outer (e.g. fgd.mix1): the
+    shared ones it declares in SHARED_KEYS and every key of its own sub-section."""
+    own = strategy_sections().get(strategy)
+    subs = tuple(f"{strategy}.{f.name}" for f in dataclasses.fields(own)) if own else ()
+    return ("strategy", *SHARED_KEYS[strategy], *subs)
+
+
+OUTER_KEYS = {name: outer_keys(name) for name in SHARED_KEYS}
+
+
+def _outer_items(o: OuterSection) -> list[tuple[str, Any, Any]]:
+    """(key dotted below outer, value, default) of every [outer] key, sub-sections included."""
+    items = []
+    for f in dataclasses.fields(o):
+        value = getattr(o, f.name)
+        if isinstance(value, Section):
+            items += [
+                (f"{f.name}.{g.name}", getattr(value, g.name), g.default)
+                for g in dataclasses.fields(value)
+            ]
+        else:
+            items.append((f.name, value, f.default))
+    return items
+
+
+def unused_outer_keys(o: OuterSection) -> list[tuple[str, Any]]:
+    """(key, value) of the [outer] keys set away from their default that the chosen strategy
+    never reads, e.g. outer.codec with ddp or outer.fgd.mix2 with noloco."""
+    reads = OUTER_KEYS[o.strategy]
+    return [
+        (f"outer.{k}", v) for k, v, default in _outer_items(o) if k not in reads and v != default
+    ]
+
+
+def outer_for(o: OuterSection, strategy: str) -> OuterSection:
+    """`o` under `strategy`, with the keys that strategy does not read at their defaults."""
+    reads = OUTER_KEYS[strategy]
+    shared = {f.name: f.default for f in dataclasses.fields(o) if f.name not in reads}
+    for name, tp in strategy_sections().items():
+        if name != strategy:
+            shared[name] = tp()
+    shared.pop("strategy", None)
+    return dataclasses.replace(o, strategy=strategy, **shared)
+
+
+def nest_outer_keys(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flat [outer] keywords (wrap's) as an [outer] table: a key of a strategy's sub-section
+    goes under it (mix1 -> fgd.mix1); the rest, unknown ones included, stay at the top."""
+    owner = {
+        f.name: name for name, tp in strategy_sections().items() for f in dataclasses.fields(tp)
+    }
+    table: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in owner:
+            table.setdefault(owner[key], {})[key] = value
+        else:
+            table[key] = value
+    return table
 
 
 def _warn_unused_outer_keys(o: OuterSection) -> None:
-    """Warn about [outer] keys set away from their default that the chosen strategy never
-    reads, e.g. outer.codec with diloco (its all-reduce is fp32)."""
-    unused = [
-        f"outer.{f.name} = {getattr(o, f.name)!r}"
-        for f in dataclasses.fields(o)
-        if f.name not in OUTER_KEYS[o.strategy] and getattr(o, f.name) != f.default
-    ]
+    """Warn about [outer] keys the chosen strategy never reads (a config file may carry keys
+    for several strategies; wrap refuses them instead)."""
+    unused = [f"{key} = {value!r}" for key, value in unused_outer_keys(o)]
     if unused:
         warnings.warn(
             f"{', '.join(unused)}: no effect with outer.strategy = {o.strategy!r}; drop it",
-            stacklevel=2,
+            stacklevel=3,
         )
+
+
+def mix2_params_error(spec: str) -> str | None:
+    """Why `spec` is not a Mix2 subset (models.parts.select's grammar); None: it is. Whether
+    each part selects a tensor is checked against the built model (parts.select)."""
+    parts = [p.strip() for p in spec.split("+")]
+    if spec in ("all", "none") or all(_mix2_part_ok(p) for p in parts):
+        return None
+    return (
+        "choose all, none, or '+'-joined parts among embed, head, blocks:K (the first K >= 1 "
+        "blocks) and fnmatch patterns of parameter names (letters, digits, '.', '_', '-', '*', "
+        "'?', '[]'), e.g. embed+head+blocks:2"
+    )
+
+
+_NAME_PATTERN = re.compile(r"[A-Za-z0-9._*?\[\]!-]+")
+
+
+def _mix2_part_ok(part: str) -> bool:
+    if part.startswith("blocks:"):
+        k = part.removeprefix("blocks:")
+        return k.isdigit() and int(k) >= 1
+    return part not in ("all", "none") and _NAME_PATTERN.fullmatch(part) is not None
 
 
 @dataclass(kw_only=True)
@@ -503,6 +665,7 @@ class Config:
         if r.shards > 1:
             _check_shards(r, d, opt, o)
         _check_faults(r, o)
+        _warn_unused_outer_keys(o)
 
 
 def _check_shards(r: RunSection, d: DataSection, opt: OptimSection, o: OuterSection) -> None:
@@ -535,10 +698,9 @@ def _check_shards(r: RunSection, d: DataSection, opt: OptimSection, o: OuterSect
 def _check_streaming(o: OuterSection, m: ModelSection) -> None:
     if m.family == "hf":  # the blocks are in a config file: the strategy checks its fragments
         return
-    require(
-        o.fragments <= m.n_layer,
-        "outer.fragments",
-        o.fragments,
+    o.streaming.require(
+        o.streaming.fragments <= m.n_layer,
+        "fragments",
         f"cannot exceed model.n_layer = {m.n_layer} (fragments are groups of blocks)",
     )
 

@@ -41,7 +41,9 @@ def blocking_ops(cfg: Config) -> tuple[str, ...]:
     """The operation names of the per-op split, sorted, then "other"; the same on every worker
     of a run (a function of the config)."""
     o = cfg.outer
-    fragments = [f"fragment{k}" for k in range(o.fragments)] if o.strategy == "streaming" else []
+    fragments = (
+        [f"fragment{k}" for k in range(o.streaming.fragments)] if o.strategy == "streaming" else []
+    )
     return (*sorted({*KNOWN_OPS, *fragments}), OTHER)
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import fnmatch
 import re
 
+from frugaltrain.config import ConfigError
+
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
 _BLOCK_MODULE = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.\d+$")
 _EMBED = {"wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings"}
@@ -52,7 +54,8 @@ def select(names: list[str], spec: str) -> list[bool]:
     """Which of `names` a Mix2 subset `spec` covers.
 
     spec: "all", "none", or '+'-joined parts: embed, head (LM head and final norm), blocks:K (the
-    first K blocks), or an fnmatch pattern of parameter names (e.g. "blocks.0.attn.*")."""
+    first K blocks), or an fnmatch pattern of parameter names (e.g. "blocks.0.attn.*"). A part
+    that selects nothing is a ConfigError (config.mix2_params_error checks the grammar)."""
     if spec == "all":
         return [True] * len(names)
     if spec == "none":
@@ -68,9 +71,9 @@ def select(names: list[str], spec: str) -> list[bool]:
         else:
             hit = [fnmatch.fnmatchcase(n, part) for n in names]
         if not any(hit):
-            raise ValueError(
-                f"outer.mix2_params part {part!r} matches no parameter; names look like "
-                f"{', '.join(names[:4])}, ..."
+            raise ConfigError(
+                f"outer.fgd.mix2_params = {spec!r}: part {part!r} selects no tensor of this "
+                f"model; name parts that exist (names look like {', '.join(names[:4])}, ...)"
             )
         chosen = [a or b for a, b in zip(chosen, hit, strict=True)]
     return chosen

@@ -1,15 +1,18 @@
-"""Outer strategies, one file each, and the plain dict that maps config names to them.
+"""Outer strategies, one file each, the contract they keep, and the one factory that builds them.
 
-Every strategy is written for one worker against comm.Comm and has the same small interface,
-called by the training loop (real runs) and the simulator alike:
+Every strategy is written for one worker against comm.Comm and keeps the same small contract
+(outer.base.Strategy), called by the training loop (real runs), the simulator and `wrap` alike:
 
     before_step(step)   before inner step `step` + 1 (fgd posts its non-blocking Mix1 here)
     sync_grads()        after backward, before the inner optimizer step (ddp all-reduces here)
     after_step(step)    after `step` inner steps; returns True at an outer-round boundary
-    state_dict() / load_state_dict(state)   outer parameters, outer optimizer, round counter
+    diagnostics()       outer momenta and error-feedback norm (ddp: empty), for the metrics
+    state_dict() / load_state_dict(state, own)   outer parameters, outer optimizer, round counter
 
-The DiLoCo family shares one round (outer/round.py). To add a strategy: a file here, a line in
-STRATEGIES, and its name with the [outer] keys its constructor takes in config.OUTER_KEYS.
+The DiLoCo family shares one round (outer/round.py) and one outer optimizer (outer/sgd.py). To
+add a strategy: a file here, a line in STRATEGIES, the shared [outer] keys it reads in
+config.SHARED_KEYS and, if it has keys of its own, a sub-section of config.OuterSection named
+after it (its constructor takes both as keywords).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 from torch import nn
 
 from frugaltrain.comm import Comm
-from frugaltrain.config import OUTER_KEYS, Config
+from frugaltrain.config import Config, OuterSection
+from frugaltrain.outer.base import Diagnostics, Strategy
 from frugaltrain.outer.ddp import DDP
 from frugaltrain.outer.diloco import DiLoCo
 from frugaltrain.outer.fgd import FactoredGossipDiLoCo
 from frugaltrain.outer.noloco import NoLoCo
 from frugaltrain.outer.round import OuterRound
+from frugaltrain.outer.sgd import OuterSGD
 from frugaltrain.outer.streaming import StreamingDiLoCo
 
 STRATEGIES = {
@@ -34,20 +39,26 @@ STRATEGIES = {
 }
 
 
-def build_strategy(cfg: Config, model: nn.Module, comm: Comm):
-    """This worker's outer strategy: outer.strategy's class with the [outer] keys it reads."""
-    o = cfg.outer
-    keys = {k: getattr(o, k) for k in OUTER_KEYS[o.strategy] if k != "strategy"}
-    return STRATEGIES[o.strategy](model, comm, **keys, seed=cfg.run.seed)
+def build_strategy(
+    cfg: Config | OuterSection, model: nn.Module, comm: Comm, *, seed: int = 0
+) -> Strategy:
+    """This worker's outer strategy: outer.strategy's class with the [outer] keys it reads.
+    `cfg`: a whole config (seeded by its run.seed), or an [outer] section alone seeded by
+    `seed` (wrap)."""
+    o, seed = (cfg.outer, cfg.run.seed) if isinstance(cfg, Config) else (cfg, seed)
+    return STRATEGIES[o.strategy](model, comm, **o.strategy_keys(), seed=seed)
 
 
 __all__ = [
     "DDP",
     "STRATEGIES",
     "DiLoCo",
+    "Diagnostics",
     "FactoredGossipDiLoCo",
     "NoLoCo",
     "OuterRound",
+    "OuterSGD",
+    "Strategy",
     "StreamingDiLoCo",
     "build_strategy",
 ]

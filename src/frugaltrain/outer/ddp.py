@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from frugaltrain.comm import Comm
+from frugaltrain.outer.base import Diagnostics
 
 
 class DDP:
@@ -38,6 +39,10 @@ class DDP:
     def after_step(self, step: int) -> bool:
         """Call after each inner step with the number of steps done; True at a round boundary."""
         return step % self.H == 0
+
+    def diagnostics(self) -> Diagnostics:
+        """No outer momentum and nothing held back: the empty report."""
+        return Diagnostics()
 
     def state_dict(self) -> dict:
         return {}

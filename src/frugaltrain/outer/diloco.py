@@ -4,7 +4,7 @@ of the pseudo-gradients and an outer Nesterov step.
 Per round t, on every worker i (symbols as in the paper and research/diloco_family.md a.1):
     theta_i <- x;  H inner steps;  Delta_i = x - theta_i
     Delta = mean_i Delta_i                      (blocking all-reduce, counted as blocking time)
-    m <- mu m + Delta;  x <- x - gamma (Delta + mu m)   (torch.optim.SGD, nesterov=True)
+    m <- mu m + Delta;  x <- x - gamma (Delta + mu m)   (outer/sgd.py, Nesterov)
 Inner AdamW states stay local. All workers hold the same x and m, so the outer step runs
 replicated. On failure the all-reduce raises after run.timeout_s.
 

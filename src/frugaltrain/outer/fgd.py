@@ -8,7 +8,7 @@ synchronization split into a non-blocking parameter mix (Mix1) and a blocking ps
     Mix2:        g_i = sum_j W2[i, j] Delta_j        (blocking; only the chosen tensors, the
                                                       others keep g_i = Delta_i)
     wait Mix1
-    m_i <- mu m_i + g_i;  x_i <- y_i - gamma (g_i + mu m_i)   (torch SGD, Nesterov)
+    m_i <- mu m_i + g_i;  x_i <- y_i - gamma (g_i + mu m_i)   (outer/sgd.py, Nesterov)
 
 Nothing from an earlier round enters round t's update, so there is no staleness: the only error
 is that worker i's inner phase starts from x_i rather than the mean. With doubly stochastic W1
@@ -29,7 +29,6 @@ from torch import nn
 
 from frugaltrain.comm import Comm, Handle
 from frugaltrain.comm.topology import mixing_matrix
-from frugaltrain.config import FGD_PRESETS
 from frugaltrain.models.parts import select
 from frugaltrain.outer.round import OuterRound, copy_all_, dense_or_fp32
 
@@ -38,9 +37,8 @@ class FactoredGossipDiLoCo(OuterRound):
     """Factored Gossip DiLoCo for one worker.
 
     Args (besides outer.round.OuterRound's):
-        preset: GlobalM1 or GlobalM1LocalM2 sets mix1, mix2 and mix2_params (config.FGD_PRESETS).
         mix1, mix2: topologies (comm.topology) of the parameter and pseudo-gradient mixes.
-        mix2_params: tensors Mix2 covers (models.parts.select).
+        mix2_params: tensors Mix2 covers (models.parts.select); every part must select one.
         momentum_policy: "local", "mixed" or "reset".
         mix1_weight: alpha, the share of Mix1 a worker takes.
         mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
@@ -53,7 +51,6 @@ class FactoredGossipDiLoCo(OuterRound):
         model: nn.Module,
         comm: Comm,
         *,
-        preset: str = "",
         mix1: str = "complete",
         mix2: str = "none",
         mix2_params: str = "all",
@@ -64,10 +61,9 @@ class FactoredGossipDiLoCo(OuterRound):
         **outer,
     ) -> None:
         super().__init__(model, comm, **outer)
-        chosen = {"mix1": mix1, "mix2": mix2, "mix2_params": mix2_params}
-        mixing = {**chosen, **FGD_PRESETS.get(preset, {})}
-        self.mix1, self.mix2 = mixing["mix1"], mixing["mix2"]
-        self.in_mix2 = select(self.names, mixing["mix2_params"]) if self.mix2 != "none" else []
+        self.mix1, self.mix2 = mix1, mix2
+        chosen = select(self.names, mix2_params)  # checked even when unused: a typo is refused
+        self.in_mix2 = chosen if mix2 != "none" else []
         self.momentum_policy = momentum_policy
         self.mix1_weight = mix1_weight
         self.mix2_momentum = mix2_momentum

@@ -7,10 +7,10 @@ Update (research note a.3, in DiLoCo's sign convention, Delta = phi - theta):
     d_i   <- mu d_i - beta mean_G(Delta_j) + gamma (mean_G(phi_j) - phi_i)
     phi_i <- phi_i + d_i ;  theta_i <- phi_i
 
-Heavy-ball momentum, no look-ahead. We run it through torch's SGD (momentum mu, no Nesterov,
-lr beta) with the gradient g = mean_G(Delta_j) - (gamma / beta) (mean_G(phi_j) - phi_i), which is
-the same recursion with the momentum buffer scaled by -1/beta. With one group of everyone and
-gamma = 0 it is DiLoCo with heavy-ball momentum.
+Heavy-ball momentum, no look-ahead. We run it through the outer SGD (outer/sgd.py; momentum mu,
+no Nesterov, lr beta) with the gradient g = mean_G(Delta_j) - (gamma / beta) (mean_G(phi_j) -
+phi_i), which is the same recursion with the momentum buffer scaled by -1/beta. With one group
+of everyone and gamma = 0 it is DiLoCo with heavy-ball momentum.
 """
 
 from __future__ import annotations

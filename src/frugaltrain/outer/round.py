@@ -7,14 +7,18 @@ Per round, on every worker i, with outer parameters x_i and inner parameters the
     Delta_i = x_i - theta_i       the pseudo-gradient
     exchange(Delta)               the strategy's communication: an all-reduce, a gossip mix, ...
     x_i <- outer step with Delta  SGD with (Nesterov) momentum mu and learning rate gamma
+                                  (outer/sgd.py)
     theta_i <- x_i                the next round starts from the result
 
 A strategy file holds only what makes it different: its exchange, its momentum policy, and (for
 Streaming DiLoCo) its schedule. The training loop and the simulator drive every strategy through
-the same five calls: `before_step`, `sync_grads`, `after_step`, `state_dict`, `load_state_dict`.
+the same calls (outer.base.Strategy): `before_step`, `sync_grads`, `after_step`, `diagnostics`,
+`state_dict`, `load_state_dict`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -22,30 +26,25 @@ from torch import nn
 from frugaltrain.comm import Comm
 from frugaltrain.comm.compress import is_sparse
 from frugaltrain.comm.feedback import ErrorFeedback
-
-
-def outer_sgd(params: list[torch.Tensor], lr: float, momentum: float, nesterov: bool):
-    """Outer optimizer: SGD with (Nesterov) momentum; momentum 0 is plain SGD."""
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+from frugaltrain.outer.base import Diagnostics
+from frugaltrain.outer.sgd import OuterSGD
 
 
 @torch.no_grad()
 def outer_step(
-    opt: torch.optim.Optimizer,
-    outer: list[torch.Tensor],
+    opt: OuterSGD,
+    indices: Iterable[int],
     pseudo_grads: list[torch.Tensor],
     inner: list[torch.Tensor],
     merge_alpha: float = 0.0,
 ) -> None:
-    """One outer step: feed the pseudo-gradients to `opt` as gradients of the outer parameters,
-    step, then restart the inner parameters from the result (theta <- alpha theta + (1-alpha) x;
-    alpha = 0 copies, bit for bit). Outer parameters outside `outer` have no gradient, so `opt`
-    leaves them and their momentum alone."""
-    for x, g in zip(outer, pseudo_grads, strict=True):
-        x.grad = g
-    opt.step()
-    for x, theta in zip(outer, inner, strict=True):
-        x.grad = None
+    """One outer step of the outer parameters at `indices` with their pseudo-gradients, then
+    restart the matching inner parameters from the result (theta <- alpha theta + (1-alpha) x;
+    alpha = 0 copies, bit for bit). The other outer parameters and their momenta stay."""
+    indices = list(indices)
+    opt.step(indices, pseudo_grads)
+    for i, theta in zip(indices, inner, strict=True):
+        x = opt.params[i]
         if merge_alpha:
             theta.mul_(merge_alpha).add_(x, alpha=1 - merge_alpha)
         else:
@@ -101,7 +100,7 @@ class OuterRound:
         self.seed = seed
         self.round = 0
         self.outer = [p.detach().clone() for p in self.params]  # x_i
-        self.opt = outer_sgd(self.outer, lr, momentum, nesterov)
+        self.opt = OuterSGD(self.outer, lr, momentum, nesterov)
         self.codec = codec
         self.feedback_decay = feedback_decay
         self.feedbacks: dict[str, ErrorFeedback] = {}  # per operation, sparse codecs only
@@ -131,7 +130,7 @@ class OuterRound:
             return False
         deltas = [x - theta for x, theta in zip(self.outer, self.params, strict=True)]
         self.exchange(deltas)
-        outer_step(self.opt, self.outer, deltas, self.params)
+        outer_step(self.opt, range(len(deltas)), deltas, self.params)
         self.round += 1
         return True
 
@@ -147,8 +146,11 @@ class OuterRound:
 
     def momenta(self) -> list[torch.Tensor] | None:
         """The outer momentum buffers m_i, or None before the first outer step."""
-        bufs = [self.opt.state.get(x, {}).get("momentum_buffer") for x in self.outer]
-        return None if any(b is None for b in bufs) else bufs
+        bufs = self.opt.momenta
+        return None if any(b is None for b in bufs) else list(bufs)
+
+    def diagnostics(self) -> Diagnostics:
+        return Diagnostics(momenta=self.momenta(), feedback_norm=self.feedback_norm())
 
     def state_dict(self) -> dict:
         """Outer parameters, outer optimizer, round counter and error feedback (taken at a round

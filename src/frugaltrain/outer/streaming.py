@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from frugaltrain.comm import Comm, Handle
+from frugaltrain.config import ConfigError
 from frugaltrain.models.parts import fragments
 from frugaltrain.outer.round import OuterRound, outer_step
 
@@ -86,8 +87,8 @@ class StreamingDiLoCo(OuterRound):
     def _land(self, k: int) -> None:
         handle, deltas = self._pending.pop(k)
         handle.wait()
-        outer, inner = self._slice(k, self.outer), self._slice(k, self.params)
-        outer_step(self.opt, outer, deltas, inner, self.alpha)
+        inner = self._slice(k, self.params)
+        outer_step(self.opt, self.fragment_idx[k], deltas, inner, self.alpha)
 
     @staticmethod
     def fragment_of(names: list[str], P: int) -> list[int]:
@@ -95,8 +96,9 @@ class StreamingDiLoCo(OuterRound):
         owner = fragments(names, P)
         empty = sorted(set(range(P)) - set(owner))
         if empty:
-            raise ValueError(
-                f"outer.fragments = {P}: fragments {empty} own no parameter; lower outer.fragments"
+            raise ConfigError(
+                f"outer.streaming.fragments = {P}: fragments {empty} own no parameter; lower "
+                "outer.streaming.fragments"
             )
         return owner
 

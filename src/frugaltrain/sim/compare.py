@@ -20,13 +20,17 @@ from frugaltrain.config import ArgumentParser, ConfigError, add_set_flag
 METHODS: dict[str, list[str]] = {
     "ddp": ["outer.strategy=ddp"],
     "diloco": ["outer.strategy=diloco"],
-    "GlobalM1": ["outer.strategy=fgd", "outer.preset=GlobalM1"],
-    "GlobalM1LocalM2": ["outer.strategy=fgd", "outer.preset=GlobalM1LocalM2"],
-    "fgd-ring": ["outer.strategy=fgd", "outer.mix1=ring", "outer.mix2=none"],
+    "GlobalM1": ["outer.strategy=fgd", "outer.fgd.preset=GlobalM1"],
+    "GlobalM1LocalM2": ["outer.strategy=fgd", "outer.fgd.preset=GlobalM1LocalM2"],
+    "fgd-ring": ["outer.strategy=fgd", "outer.fgd.mix1=ring", "outer.fgd.mix2=none"],
     # NoLoCo's public gossip configs: groups of 2, outer lr = pull = 0.7, momentum 0.5
     # (research note a.3); DiLoCo's 0.9 is not its setting.
     "noloco": ["outer.strategy=noloco", "outer.momentum=0.5"],
-    "streaming": ["outer.strategy=streaming", "outer.fragments=2", "outer.overlap=1"],
+    "streaming": [
+        "outer.strategy=streaming",
+        "outer.streaming.fragments=2",
+        "outer.streaming.overlap=1",
+    ],
 }
 
 
@@ -37,9 +41,9 @@ def method_overrides(name: str) -> list[str]:
         if name.startswith(prefix):
             return [
                 "outer.strategy=fgd",
-                "outer.mix1=complete",
-                f"outer.mix2={topo}",
-                f"outer.mix2_params={name[len(prefix) :]!r}",
+                "outer.fgd.mix1=complete",
+                f"outer.fgd.mix2={topo}",
+                f"outer.fgd.mix2_params={name[len(prefix) :]!r}",
             ]
     raise ConfigError(
         f"--methods: unknown method {name!r}; choose from {', '.join(METHODS)}, "

@@ -384,7 +384,7 @@ class _Sim:
         figures = {"bytes_sent": d["sent"], "bytes_received": d["received"]}
         figures.update(blocking_s=d["blocking"], compute_s=d["compute"])
         strategies = [self.workers[i].strategy for i in live]
-        figures["feedback_norm"] = [getattr(s, "feedback_norm", lambda: 0.0)() for s in strategies]
+        figures["feedback_norm"] = [s.diagnostics().feedback_norm for s in strategies]
         now = [dict(w.comm.stats.blocking_by_op) for w in self.workers]
         by_op = [{k: v - self._prev_ops[i].get(k, 0.0) for k, v in now[i].items()} for i in live]
         self._prev_ops = now
@@ -419,7 +419,7 @@ class _Sim:
             "consensus/total": sum(groups.values()),
         }
         out.update({f"consensus/{g}": v for g, v in groups.items()})
-        momenta = [getattr(self.workers[i].strategy, "momenta", lambda: None)() for i in live]
+        momenta = [self.workers[i].strategy.diagnostics().momenta for i in live]
         if all(m is not None for m in momenta):
             m_mean = [torch.stack(ms).double().mean(0).float() for ms in zip(*momenta, strict=True)]
             out["consensus/momentum"] = sum(spread(m, m_mean) for m in momenta) / len(momenta)

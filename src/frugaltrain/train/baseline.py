@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from frugaltrain.config import OUTER_KEYS, Config, ConfigError, OuterSection, to_dict, to_toml
+from frugaltrain.config import OUTER_KEYS, Config, ConfigError, outer_for, to_dict, to_toml
 from frugaltrain.metrics.report import report
 from frugaltrain.train import checkpoint
 
@@ -22,9 +22,7 @@ def baseline_config(cfg: Config, strategy: str) -> Config:
     """`cfg` under `strategy`, with the [outer] keys that strategy does not read at defaults."""
     if strategy not in OUTER_KEYS:
         raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(OUTER_KEYS)}")
-    reads = OUTER_KEYS[strategy]
-    defaults = {f.name: f.default for f in dataclasses.fields(OuterSection) if f.name not in reads}
-    outer = dataclasses.replace(cfg.outer, strategy=strategy, **defaults)
+    outer = outer_for(cfg.outer, strategy)
     run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
     return dataclasses.replace(cfg, outer=outer, run=run)
 

@@ -24,11 +24,16 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer", help="shortcut for --set outer.strategy=NAME")
     p.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
     p.add_argument("-H", type=int, dest="H", help="shortcut for --set outer.H=N")
-    p.add_argument("--preset", help="fgd variant: GlobalM1 or GlobalM1LocalM2 (outer.preset)")
-    p.add_argument("--mix1", help="fgd Mix1 topology (outer.mix1)")
-    p.add_argument("--mix2", help="fgd Mix2 topology (outer.mix2)")
-    p.add_argument("--mix2-params", help="fgd Mix2 tensors, e.g. embed+head+blocks:2")
-    p.add_argument("--momentum-policy", help="fgd outer momentum: local or mixed")
+    p.add_argument("--preset", help="fgd variant: GlobalM1 or GlobalM1LocalM2 (outer.fgd.preset)")
+    p.add_argument("--mix1", help="fgd Mix1 topology (outer.fgd.mix1)")
+    p.add_argument("--mix2", help="fgd Mix2 topology (outer.fgd.mix2)")
+    p.add_argument(
+        "--mix2-params", help="fgd Mix2 tensors, e.g. embed+head+blocks:2 (outer.fgd.mix2_params)"
+    )
+    p.add_argument(
+        "--momentum-policy",
+        help="fgd outer momentum: local, mixed or reset (outer.fgd.momentum_policy)",
+    )
     p.add_argument(
         "--codec",
         help="pseudo-gradient encoding: fp32, bf16, int8, e3m0, or sparse topk:F[+2bit] with "
@@ -62,11 +67,11 @@ def overrides(args: argparse.Namespace) -> list[str]:
         ("steps", "run.steps"),
         ("name", "run.name"),
         ("H", "outer.H"),
-        ("preset", "outer.preset"),
-        ("mix1", "outer.mix1"),
-        ("mix2", "outer.mix2"),
-        ("mix2_params", "outer.mix2_params"),
-        ("momentum_policy", "outer.momentum_policy"),
+        ("preset", "outer.fgd.preset"),
+        ("mix1", "outer.fgd.mix1"),
+        ("mix2", "outer.fgd.mix2"),
+        ("mix2_params", "outer.fgd.mix2_params"),
+        ("momentum_policy", "outer.fgd.momentum_policy"),
         ("codec", "outer.codec"),
         ("inner_optimizer", "optim.name"),
     ):

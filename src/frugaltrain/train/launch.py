@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from frugaltrain.comm import LocalComm
 from frugaltrain.config import (
-    FGD_PRESETS,
     OUTER_KEYS,
     Config,
     ConfigError,
     build_config,
+    flat_items,
     load_config,
     read_toml,
     to_dict,
@@ -94,12 +94,10 @@ def check_model(cfg: Config) -> None:
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     o = cfg.outer
     try:
-        if o.strategy == "fgd":
-            mixing = {"mix2": o.mix2, "mix2_params": o.mix2_params, **FGD_PRESETS.get(o.preset, {})}
-            if mixing["mix2"] != "none":
-                select(names, mixing["mix2_params"])
+        if o.strategy == "fgd":  # every part, even with Mix2 off: the strategy checks them too
+            select(names, o.fgd.mix2_params)
         if o.strategy == "streaming":
-            StreamingDiLoCo.fragment_of(names, o.fragments)
+            StreamingDiLoCo.fragment_of(names, o.streaming.fragments)
     except ValueError as e:  # a part that names nothing in this model
         raise ConfigError(str(e)) from None
     check_memory(cfg)
@@ -321,12 +319,12 @@ def _resumable(config_path: str | None, overrides: list[str], resume: str):
     raw = read_toml(saved)
     if config_path:  # allowed only for keys a resumed run may change
         given, kept = to_dict(load_config(config_path)), to_dict(build_config(Config, raw))
+        may_change = {f"run.{k}" for k in RESUME_MAY_CHANGE + ("name", "out_dir")}
+        old = flat_items(kept)
         changed = [
-            f"{section}.{key}"
-            for section, values in given.items()
-            for key, value in values.items()
-            if kept[section][key] != value
-            and not (section == "run" and key in RESUME_MAY_CHANGE + ("name", "out_dir"))
+            key
+            for key, value in flat_items(given).items()
+            if old[key] != value and key not in may_change
         ]
         if changed:
             may = ", ".join(f"run.{k}" for k in RESUME_MAY_CHANGE)

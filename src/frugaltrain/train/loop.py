@@ -233,7 +233,7 @@ def round_scalars(w: Worker, sent, loss: float, compute_s: float, ops) -> RoundS
     comm = w.comm
     own = {"bytes_sent": sent.bytes_sent, "bytes_received": sent.bytes_received}
     own.update(blocking_s=sent.blocking_s, compute_s=compute_s)
-    own["feedback_norm"] = getattr(w.strategy, "feedback_norm", lambda: 0.0)()
+    own["feedback_norm"] = w.strategy.diagnostics().feedback_norm
     return RoundScalars(
         loss=loss,
         compute_s=compute_s,
@@ -415,7 +415,7 @@ def disagreement(w: Worker, val_loss: float) -> dict[str, float]:
     params = list(w.view.parameters())
     mean = runtime.metric_mean_tensors(params)
     local = squared_distance(w.view, mean)
-    momenta = w.strategy.momenta() if hasattr(w.strategy, "momenta") else None
+    momenta = w.strategy.diagnostics().momenta
     m_spread = spread(momenta, runtime.metric_mean_tensors(momenta)) if momenta else 0.0
     sums = replica_sum([sum(local.values()), *local.values(), m_spread], w.shards)
     averaged = Averaged(model, params, mean) if w.shards else averaged_model(model, mean)
