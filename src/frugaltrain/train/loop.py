@@ -56,7 +56,7 @@ from frugaltrain.metrics.peers import blocking_ops, post_vector
 from frugaltrain.metrics.sinks import open_sinks
 from frugaltrain.models import autocast, build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule
-from frugaltrain.outer import build_strategy
+from frugaltrain.outer import Strategy, build_strategy
 from frugaltrain.step import inner_step
 from frugaltrain.train import checkpoint, sharded_checkpoint
 from frugaltrain.train.round_log import RoundLog, RoundScalars
@@ -108,7 +108,7 @@ class Worker:
     model: torch.nn.Module
     inner: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
-    strategy: object
+    strategy: Strategy
     sampler: BatchSampler
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     shards: Shards | None = None  # this process's place in its replica (run.shards > 1)
