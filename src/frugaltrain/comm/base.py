@@ -139,6 +139,23 @@ def weighted_sum(weights: list[float], flats: list[torch.Tensor]) -> torch.Tenso
     return acc.float()
 
 
+def finish_mix(
+    rows: list[float],
+    flats: list[torch.Tensor],
+    tensors: list[torch.Tensor],
+    renormalize: bool = False,
+) -> None:
+    """Write a mix's result into `tensors`: sum_j rows[j] flats[j] over the contributions that
+    arrived (`rows`: their weights in this worker's row, in rank order). `renormalize` divides
+    the weights by their sum first, so a row that lost contributions (dropped, late, rejected,
+    a member gone) still sums to one; the fault-tolerant runtime always does, and the plain
+    path never, so that neither changes by a bit."""
+    if renormalize:
+        total = sum(rows)
+        rows = [x / total for x in rows]
+    unflatten_into(weighted_sum(rows, flats), tensors)
+
+
 class Comm:
     """One worker's communication endpoint: what an outer strategy sees, and nothing more
     (collectives, members, byte and blocking counts, the guard's rejections). The training
@@ -366,7 +383,7 @@ class Comm:
                 own if j == me else compress.decode(received[self.members[j]], codec, own.numel())
                 for j in order
             ]
-            unflatten_into(weighted_sum([w[me, j] for j in order], flats), tensors)
+            finish_mix([w[me, j] for j in order], flats, tensors)
 
         return Handle(self.stats, finish, fetch.is_completed)
 

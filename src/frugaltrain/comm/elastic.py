@@ -78,9 +78,9 @@ from frugaltrain.comm.base import (
     Comm,
     Handle,
     encode_own,
+    finish_mix,
     flatten,
     unflatten_into,
-    weighted_sum,
 )
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.guard import Guard, norm_of, verdict
@@ -577,8 +577,7 @@ class ElasticComm(Comm):
                 flats.append(compress.decode(bufs[j], codec, flat.numel()))
                 senders.append(members[j])
             rows, flats = self._judge_arrivals(rows, flats, senders)
-            total = sum(rows)  # rows renormalized over the messages that arrived in time
-            unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
+            finish_mix(rows, flats, tensors, renormalize=True)  # over what arrived in time
 
         return Handle(self.stats, finish, lambda: all(e.is_set() for e in arrived.values()))
 
@@ -666,8 +665,7 @@ class ElasticComm(Comm):
                     continue
                 rows.append(w[me, j])
                 flats.append(own if j == me else compress.decode(got[r], codec, own.numel()))
-            total = sum(rows)  # rows renormalized over the members that delivered
-            unflatten_into(weighted_sum([x / total for x in rows], flats), tensors)
+            finish_mix(rows, flats, tensors, renormalize=True)  # over those that delivered
 
         return Handle(self.stats, finish, lambda: self._completed(op))
 
