@@ -41,7 +41,7 @@ COMMON = [
     "run.fault_tolerance=true",
     "run.timeout_s=300",
 ]
-HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/elastic.py)
+HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/ft/heartbeat.py)
 RENDEZVOUS_S = 7.0  # keep-alive expiry, polls and the last call of a re-forming round
 
 

@@ -156,6 +156,19 @@ def finish_mix(
     unflatten_into(weighted_sum(rows, flats), tensors)
 
 
+class Wire:
+    """What passes between this worker and the others, as its Comm sees it: here, exactly what
+    is sent and received. Fault injection (comm/faults.py) swaps in one that corrupts what this
+    worker sends and loses messages it receives."""
+
+    def outgoing(self, tensors: list[torch.Tensor]) -> None:
+        """This worker's contribution, about to be sent (it may be changed in place)."""
+
+    def received(self, seq: int, sender: int, receiver: int) -> bool:
+        """Whether the message `sender` -> `receiver` of operation `seq` is taken."""
+        return True
+
+
 class Comm:
     """One worker's communication endpoint: what an outer strategy sees, and nothing more
     (collectives, members, byte and blocking counts, the guard's rejections). The training
@@ -186,6 +199,7 @@ class Comm:
         self.shard_link = shard_link
         self.members: list[int] = []
         self.events: list[dict] = []  # the guard's records for worker 0's log (drain_rejections)
+        self.wire = Wire()  # what its traffic passes through (fault injection swaps it)
         self._op_seq = 0
         self._rejected_self = False
 
@@ -289,7 +303,7 @@ class Comm:
         (the same verdict everywhere); clip this worker's own contribution if it is told to.
         A rejected worker's error feedback is cleared (it was built from the bad values).
         Blocking: one small collective, counted as blocking time, not as traffic."""
-        self._outgoing(tensors)
+        self.wire.outgoing(tensors)
         if self.guard is None:
             return None
         n, me = len(self.members), self.position
@@ -328,9 +342,6 @@ class Comm:
             "median": v.median,
             "factor": self.guard.factor,
         }
-
-    def _outgoing(self, tensors: list[torch.Tensor]) -> None:
-        """What this worker is about to send (fault injection corrupts it here)."""
 
     def take_rejection(self) -> bool:
         """Whether this worker's own contribution was rejected since the last call (a strategy
