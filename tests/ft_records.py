@@ -1,7 +1,7 @@
 """What a fault-tolerant run's metrics.jsonl says about its membership (tests/ft): which mechanism
 reported each change, and how many members each round ran with.
 
-Membership records (`"kind": "membership"`, comm/elastic.py) carry `round`: the last round the
+Membership records (`"kind": "membership"`, comm/ft/world.py) carry `round`: the last round the
 recording worker had finished when the change took effect. A change found in a round's own
 operations (a blocking all-reduce or gather) is recorded with the round before it; one taken at a
 round end (a late Mix1 message, a joiner's admission), with that round. Either way, worker 0's
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 def detected_by(reason: str) -> str:
-    """The mechanism a membership record's `reason` names, by the texts comm/elastic.py writes:
+    """The mechanism a membership record's `reason` names, by the texts the fault-tolerant runtime (comm/ft/) writes:
     "heartbeat" (a member silent for the heartbeat timeout, in a blocking wait or behind a late
     Mix1 message), "deadline" (the adaptive deadline), "run.timeout_s" (a wait that lasted
     run.timeout_s: gloo's own timeout, or the deadline before it has rounds to adapt to),

@@ -71,7 +71,7 @@ def wrap(
     one raise after the process group's timeout (`init_process_group(timeout=...)`), out of
     `optimizer.step()`, before the optimizer updates anything. wrap does not recover: restart
     every worker from your last checkpoint (model, optimizer and `OuterLoop.state_dict()`). The
-    fault-tolerant runtime (comm/elastic.py: membership epochs, deadlines, rejoin) is available
+    fault-tolerant runtime (comm/ft/: membership epochs, deadlines, rejoin) is available
     only through `frugaltrain train --set run.fault_tolerance=true`.
 
     Papers: DiLoCo arXiv 2311.08105; Factored Gossip DiLoCo (fgd, Mix1 with W1 and Mix2 with

@@ -46,7 +46,7 @@ COMMON = [
     "run.fault_tolerance=true",
     "run.timeout_s=300",
 ]
-HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/elastic.py)
+HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/ft/heartbeat.py)
 
 
 def _run(cfg) -> tuple[Path, list[dict]]:

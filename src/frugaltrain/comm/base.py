@@ -139,6 +139,36 @@ def weighted_sum(weights: list[float], flats: list[torch.Tensor]) -> torch.Tenso
     return acc.float()
 
 
+def finish_mix(
+    rows: list[float],
+    flats: list[torch.Tensor],
+    tensors: list[torch.Tensor],
+    renormalize: bool = False,
+) -> None:
+    """Write a mix's result into `tensors`: sum_j rows[j] flats[j] over the contributions that
+    arrived (`rows`: their weights in this worker's row, in rank order). `renormalize` divides
+    the weights by their sum first, so a row that lost contributions (dropped, late, rejected,
+    a member gone) still sums to one; the fault-tolerant runtime always does, and the plain
+    path never, so that neither changes by a bit."""
+    if renormalize:
+        total = sum(rows)
+        rows = [x / total for x in rows]
+    unflatten_into(weighted_sum(rows, flats), tensors)
+
+
+class Wire:
+    """What passes between this worker and the others, as its Comm sees it: here, exactly what
+    is sent and received. Fault injection (comm/faults.py) swaps in one that corrupts what this
+    worker sends and loses messages it receives."""
+
+    def outgoing(self, tensors: list[torch.Tensor]) -> None:
+        """This worker's contribution, about to be sent (it may be changed in place)."""
+
+    def received(self, seq: int, sender: int, receiver: int) -> bool:
+        """Whether the message `sender` -> `receiver` of operation `seq` is taken."""
+        return True
+
+
 class Comm:
     """One worker's communication endpoint: what an outer strategy sees, and nothing more
     (collectives, members, byte and blocking counts, the guard's rejections). The training
@@ -169,6 +199,7 @@ class Comm:
         self.shard_link = shard_link
         self.members: list[int] = []
         self.events: list[dict] = []  # the guard's records for worker 0's log (drain_rejections)
+        self.wire = Wire()  # what its traffic passes through (fault injection swaps it)
         self._op_seq = 0
         self._rejected_self = False
 
@@ -272,7 +303,7 @@ class Comm:
         (the same verdict everywhere); clip this worker's own contribution if it is told to.
         A rejected worker's error feedback is cleared (it was built from the bad values).
         Blocking: one small collective, counted as blocking time, not as traffic."""
-        self._outgoing(tensors)
+        self.wire.outgoing(tensors)
         if self.guard is None:
             return None
         n, me = len(self.members), self.position
@@ -311,9 +342,6 @@ class Comm:
             "median": v.median,
             "factor": self.guard.factor,
         }
-
-    def _outgoing(self, tensors: list[torch.Tensor]) -> None:
-        """What this worker is about to send (fault injection corrupts it here)."""
 
     def take_rejection(self) -> bool:
         """Whether this worker's own contribution was rejected since the last call (a strategy
@@ -366,7 +394,7 @@ class Comm:
                 own if j == me else compress.decode(received[self.members[j]], codec, own.numel())
                 for j in order
             ]
-            unflatten_into(weighted_sum([w[me, j] for j in order], flats), tensors)
+            finish_mix([w[me, j] for j in order], flats, tensors)
 
         return Handle(self.stats, finish, fetch.is_completed)
 

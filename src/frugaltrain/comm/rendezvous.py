@@ -42,6 +42,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from frugaltrain.comm.ft import keys
+
 RUN_ID = "frugaltrain"
 # The handler polls the rendezvous state once a second while it waits, and a waiting node
 # refreshes its keep-alive only between polls. So a node counts as dead after at least 3 s
@@ -50,13 +52,12 @@ RUN_ID = "frugaltrain"
 KEEP_ALIVE_S = 0.5
 MIN_EXPIRY_S = 3.0
 LAST_CALL_S = 2.0
-_PREFIX = "ft/rdzv"
 
 
 class _Backend(C10dRendezvousBackend):
     """The c10d backend, which can be cut: while `cut` is set (an injected partition), or once
     the others have marked this worker incarnation evicted (alive but stuck past the deadline,
-    comm/elastic.py), this worker cannot reach the rendezvous: its keep-alives fail, so the
+    comm/ft/oplog.py), this worker cannot reach the rendezvous: its keep-alives fail, so the
     others drop it, as in a real partition."""
 
     def __init__(self, store: dist.Store, run_id: str, evicted: Callable[[], bool]) -> None:
@@ -79,11 +80,6 @@ class _Backend(C10dRendezvousBackend):
         return super().set_state(state, token)
 
 
-def evict_key(worker: int, incarnation: int) -> str:
-    """The store key that cuts one incarnation of a worker out of the rendezvous."""
-    return f"ft/evict/{worker}:{incarnation}"
-
-
 def _handler(
     host: str,
     port: int,
@@ -102,7 +98,7 @@ def _handler(
     )
     if namespace:  # one rendezvous per shard group (run.shards > 1)
         client = dist.PrefixStore(namespace, client)
-    store = dist.PrefixStore(_PREFIX, client)
+    store = dist.PrefixStore(keys.RENDEZVOUS, client)
     backend = _Backend(store, RUN_ID, lambda: bool(evict) and client.check([evict]))
     handler = DynamicRendezvousHandler.from_backend(
         RUN_ID,
@@ -192,7 +188,7 @@ class Membership:
             f"worker{worker}",
             timeout_s,
             hb_timeout_s,
-            evict_key(worker, incarnation),
+            keys.evict(worker, incarnation),
             namespace,
         )
 
@@ -208,13 +204,13 @@ class Membership:
             "purpose": purpose,
             "round": round_idx,
         }
-        info.store.set(f"who/{info.rank}", json.dumps(me))
-        keys = [f"who/{r}" for r in range(info.world_size)]
-        info.store.wait(keys, timedelta(seconds=self.timeout_s))
-        who = [json.loads(v) for v in info.store.multi_get(keys)]
+        info.store.set(keys.who(info.rank), json.dumps(me))
+        everyone = [keys.who(r) for r in range(info.world_size)]
+        info.store.wait(everyone, timedelta(seconds=self.timeout_s))
+        who = [json.loads(v) for v in info.store.multi_get(everyone)]
         if info.rank == 0:  # epochs are numbered run-wide, one per round that forms a group
-            info.store.set("epoch", str(self.client.add("ft/epochs", 1) - 1))
-        new_epoch = int(info.store.get("epoch"))
+            info.store.set(keys.ROUND_EPOCH, str(self.client.add(keys.EPOCHS, 1) - 1))
+        new_epoch = int(info.store.get(keys.ROUND_EPOCH))
         members, joiners, stale, deferred = decide(who)
         old = [w for w in who if w["purpose"] != "join" and w["worker"] in members]
         return Round(

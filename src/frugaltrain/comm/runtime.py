@@ -4,7 +4,7 @@ A strategy sees only the `Comm` (collectives, members, byte counts, rejections).
 more, and gets it here: reductions of logging scalars and diagnostic tensors (never counted as
 algorithm traffic), the step hook, the round end and a restarted worker's rejoin. This class is
 the plain runtime (one process, torch.distributed, the simulator's workers): members never
-change, so its hooks do nothing. The fault-tolerant runtime (comm/elastic.py) overrides them.
+change, so its hooks do nothing. The fault-tolerant runtime (comm/ft/runtime.py) overrides them.
 
 The round end is one call each way:
 

@@ -8,7 +8,8 @@ the worker loop:
     plain              TorchDistComm over a gloo (or NCCL) group on that store (with shards, over
                        its shard group, FSDP2 over its replica group). A process that fails stops
                        the run: the others are stopped and the launcher says which.
-    fault tolerance    ElasticComm (comm/elastic.py), one fault-tolerant world per shard index. A
+    fault tolerance    ElasticRuntime (comm/ft/), one fault-tolerant world per shard index, with
+                       the injected faults of run.inject as a layer around it (comm/faults.py). A
                        replica that loses a process (SIGKILL, a crash, or exit code 75 after the
                        others declared it dead) is stopped whole and started again with the same
                        arguments; it rejoins from a live peer replica, shard by shard; the other
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.comm import rendezvous
+from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
@@ -51,11 +53,6 @@ def backend(cfg: Config) -> str:
     return "nccl" if cfg.run.device == "cuda" else "gloo"
 
 
-def namespace(shard: int, shards: int) -> str:
-    """Store prefix of shard group `shard`'s fault-tolerant world ("" without shards)."""
-    return f"shard{shard}" if shards > 1 else ""
-
-
 def _store_timeout(cfg: Config) -> timedelta:
     return timedelta(seconds=max(60.0, cfg.run.timeout_s))
 
@@ -67,7 +64,7 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
     store = dist.TCPStore(
         host, 0, W * S, is_master=True, wait_for_workers=False, timeout=_store_timeout(cfg)
     )
-    ft_store = dist.PrefixStore(namespace(0, S), store) if S > 1 else store  # shard group 0's
+    ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store  # shard group 0's
     ctx = mp.get_context("spawn")
     args = (to_toml(cfg), str(run_dir), host, store.port, str(resume_from) if resume_from else None)
     procs: dict[int, mp.Process] = {}
@@ -134,7 +131,7 @@ def _exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) 
             finished.add(rank)
         elif not cfg.run.fault_tolerance or p.exitcode == BAD_INPUT_EXIT:
             raise failure_of(run_dir, rank, p.exitcode)
-        elif store.check(["ft/done"]):
+        elif store.check([keys.DONE]):
             finished.add(rank)  # died after training ended: nothing to rejoin
         else:
             failed.append(rank)
@@ -147,12 +144,12 @@ def _stop_stragglers_at_the_end(procs, finished, store, host: str, cfg: Config) 
     came back."""
     W, S = cfg.run.workers, cfg.run.shards
     done = {r for r in range(W) if all(r * S + s in finished for s in range(S))}
-    ft_store = dist.PrefixStore(namespace(0, S), store) if S > 1 else store
+    ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
     final = _final_members(ft_store, done)
     if final is None:
         return
     for s in range(S):
-        rendezvous.close(host, store.port, W, namespace(s, S))
+        rendezvous.close(host, store.port, W, keys.namespace(s, S))
     _join_for(procs, finished, seconds=3.0)
     for rank, p in procs.items():
         if rank not in finished and rank // S not in final and p.is_alive():
@@ -175,7 +172,7 @@ def _join_for(procs: dict[int, mp.Process], finished: set[int], seconds: float) 
 def _final_members(store: dist.Store, done: set[int]) -> set[int] | None:
     """The last epoch's members once all of them have finished; None while training goes on."""
     for rank in done:
-        key = f"ft/final_members/{rank}"
+        key = keys.final_members(rank)
         if store.check([key]):
             final = set(json.loads(store.get(key)))
             return final if final <= done else None
@@ -222,43 +219,37 @@ def plain_comm(cfg: Config, rank: int) -> tuple:
 
 
 def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port: int, resume):
-    """A fault-tolerant process: ElasticComm with this worker's injected faults; a restarted
-    worker (incarnation > 1) rejoins from a live peer instead of the checkpoint. With shards,
-    process `rank` is shard s of replica r: its replica's processes form the default group
-    (FSDP2), fresh at every start of the replica, and its ElasticComm is shard group s's."""
-    from frugaltrain.comm.elastic import ElasticComm, ElasticRuntime
+    """A fault-tolerant process: ElasticRuntime, with this worker's injected faults around it;
+    a restarted worker (incarnation > 1) rejoins from a live peer instead of the checkpoint.
+    With shards, process `rank` is shard s of replica r: its replica's processes form the
+    default group (FSDP2), fresh at every start of the replica, and its ElasticComm is shard
+    group s's."""
+    from frugaltrain.comm.faults import FaultyRuntime
+    from frugaltrain.comm.ft.comm import ElasticComm
+    from frugaltrain.comm.ft.runtime import ElasticRuntime
+    from frugaltrain.comm.ft.world import Identity
 
     S = cfg.run.shards
     replica, shard = divmod(rank, S)
-    ns = namespace(shard, S)
+    ns = keys.namespace(shard, S)
     ft_store = dist.PrefixStore(ns, store) if ns else store
-    incarnation = ft_store.add(f"ft/incarnation/{replica}", 1)
+    incarnation = ft_store.add(keys.incarnation(replica), 1)
     shards = None
     if S > 1:
         worker_device(cfg, rank)
-        own = dist.PrefixStore(f"replica{replica}/{incarnation}", store)
+        own = dist.PrefixStore(keys.replica_group(replica, incarnation), store)
         timeout = timedelta(seconds=cfg.run.timeout_s)
         dist.init_process_group(backend(cfg), store=own, rank=shard, world_size=S, timeout=timeout)
         shards = shards_of(dist.group.WORLD, cfg.run.device)
-    comm = ElasticComm(
-        store,
-        replica,
-        cfg.run.workers,
-        timeout_s=cfg.run.timeout_s,
-        mix1_deadline_s=cfg.run.mix1_deadline_s,
-        deadline_factor=cfg.run.deadline_factor,
-        deadline_floor_s=cfg.run.deadline_floor_s,
-        injector=_injector(cfg, replica, shard, incarnation),
-        host=host,
-        port=port,
-        incarnation=incarnation,
-        guard=guard_of(cfg.run),
-        namespace=ns,
-        shard_link=shards.link if shards else None,
-    )
+    me = Identity(host, port, replica, cfg.run.workers, incarnation, ns)
+    link = shards.link if shards else None
+    comm = ElasticComm(store, me, cfg.run, guard=guard_of(cfg.run), shard_link=link)
+    runtime = ElasticRuntime(comm)
+    faults = _injector(cfg, replica, shard, incarnation) if cfg.run.inject else None
     resume_path = Path(resume) if resume and incarnation == 1 else None
-    train_worker(cfg, ElasticRuntime(comm), Path(run_dir), resume_path, shards)
-    comm.close()
+    loop_runtime = FaultyRuntime(runtime, faults) if faults else runtime
+    train_worker(cfg, loop_runtime, Path(run_dir), resume_path, shards)
+    runtime.close()
     # Leave without running destructors: gloo groups of abandoned epochs may still hold threads
     # blocked on a dead peer, and tearing those down aborts the process.
     sys.stdout.flush()

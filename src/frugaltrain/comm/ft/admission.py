@@ -1,0 +1,172 @@
+"""Admission: how a restarted worker gets back in, at a round end.
+
+A restarted worker (incarnation > 1) waits on the rendezvous's wait list. The first member at a
+round end sees it there and decides for all (compare-and-set on that round and epoch) that the
+members re-rendezvous; all finish their pending operations, the joiner is admitted, and the
+lowest old member (the donor) sends it its whole worker state (outer x and momentum, round,
+step, inner AdamW and schedule, and the runtime's sequence counters) point to point. The joiner
+checks what it loaded against the donor's digest and records a "rejoined" event.
+
+With run.shards = S > 1 a replica is admitted in every shard group at the same round end: the
+first process at a round end in any group decides it for all (keys.admit in the run's store),
+once the replica's S processes have all asked to join.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from frugaltrain.comm.ft import keys
+from frugaltrain.comm.ft.means import StoreMeans
+from frugaltrain.comm.ft.mix1 import Mix1
+from frugaltrain.comm.ft.oplog import OpLog
+from frugaltrain.comm.rendezvous import Round
+from frugaltrain.comm.shardlink import ShardLink
+
+SIZE_TAG, STATE_TAG = 1, 2  # point-to-point tags of the state transfer
+
+
+def state_digest(state: dict) -> str:
+    """Short hash of a worker state's model and outer parameters (equal iff bitwise equal)."""
+    h = hashlib.sha256()
+    tensors = list(state["model"].values()) + list(state.get("outer", {}).get("outer", []))
+    for t in tensors:
+        h.update(t.detach().cpu().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Admission:
+    """Admission of restarted workers into `oplog`'s world; the donor also sends the counters
+    of `mix1` and `means`, so the joiner posts what the members post next."""
+
+    def __init__(
+        self, oplog: OpLog, mix1: Mix1, means: StoreMeans, shard_link: ShardLink | None
+    ) -> None:
+        self.world, self.oplog, self.mix1, self.means = oplog.world, oplog, mix1, means
+        self.shard_link = shard_link
+        self._records_due: list[str] = []  # joiners' records, for worker 0's log
+
+    # ---- the members' side
+    def at_round_end(self, round_idx: int, state_fn: Callable[[], dict]) -> None:
+        """Admit restarted workers (same decision on every member) and send them this
+        worker's state if it is the donor."""
+        world = self.world
+        if world.rank == 0:  # the joiners' own records, set before they took part in this round
+            for key in [k for k in self._records_due if world.has(k)]:
+                world.add_record(json.loads(world.store.get(key)))
+                self._records_due.remove(key)
+        if not self._decided(round_idx):
+            return
+        self.oplog.finish_pending()  # the old epoch's operations end before the new one starts
+        t0, old = time.monotonic(), list(world.members)
+        rnd = world.rendezvous("admit")
+        self.oplog.settle(old, "missed the rendezvous (no keep-alive)")
+        self.oplog.stats.recovery_s += time.monotonic() - t0  # admitting a restarted worker
+        if not rnd.joiners:  # a member was recovering: the joiners wait for the next round end
+            return
+        for j in rnd.joiners:  # they post logging scalars from the next round on
+            self.means.joined_at[j] = self.means.seq
+        if world.rank == rnd.donor:
+            self._send_state(rnd, round_idx, state_fn)
+        world.event("joined", workers=rnd.joiners, donor=rnd.donor)
+        self._records_due += [keys.record(t) for t in rnd.tokens]
+
+    def _decided(self, round_idx: int) -> bool:
+        """Whether the members re-rendezvous at this round end. The first member here decides,
+        when a worker waits on the rendezvous's wait list (a restarted one asking to join, or
+        one the others went on without). The decision holds for its epoch only: a member that
+        has since re-formed (a failure) takes part in no admission at this round end."""
+        world = self.world
+        key = keys.round_decision(round_idx)
+        if not world.has(key):
+            admit = self._admission_due(round_idx)
+            world.store.compare_set(key, "", f"{int(admit)}@{world.epoch}")
+        return world.store.get(key).decode() == f"1@{world.epoch}"
+
+    def _admission_due(self, round_idx: int) -> bool:
+        """Whether a worker waits on the wait list. With shards, one decision for every shard
+        group (the first process at this round end, in any group, takes it): a restarted
+        replica whose S processes have all asked to join."""
+        world = self.world
+        if self.shard_link is None:
+            return world.membership.waiting() > 0
+        decided, root = keys.admit(round_idx), world.root
+        if not root.check([decided]):
+            ready = [keys.ready(r) for r in range(world.world_size) if r not in world.members]
+            ready = [k for k in ready if root.check([k])]
+            if root.compare_set(decided, "", str(int(bool(ready)))).decode() == "1":
+                for k in ready:  # admitted at this round end: not again at the next
+                    root.delete_key(k)
+        return root.get(decided).decode() == "1"
+
+    def _send_state(self, rnd: Round, round_idx: int, state_fn: Callable[[], dict]) -> None:
+        """The donor's side: its state and counters to every joiner, then its digest."""
+        state = state_fn()
+        state["ft_seq"] = (self.oplog.seq, self.mix1.seq, self.means.seq)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        for j in rnd.joiners:
+            pos = rnd.members.index(j)
+            self.world.pg.send([size], pos, SIZE_TAG).wait()
+            self.world.pg.send([payload], pos, STATE_TAG).wait()
+        self.world.store.set(keys.donor_digest(round_idx), state_digest(state))
+
+    # ---- the joiner's side
+    def rejoin(self, load: Callable[[dict], None], state_fn: Callable[[], dict]) -> bool:
+        """On a restarted worker: join the rendezvous, and once the members admit it at a
+        round end, receive a live peer's state and `load` it. Returns False on a first start
+        (nothing to do)."""
+        world = self.world
+        if world.incarnation == 1:
+            return False
+        rank, incarnation = world.rank, world.incarnation
+        token = f"{rank}:{incarnation}"
+        print(f"[worker {rank}] restarted (incarnation {incarnation}); asking to rejoin")
+        self._ask_to_join()
+        rnd = world.rendezvous("join")
+        world.round = rnd.round
+        state = self._receive_state(rnd)
+        self.oplog.seq, self.mix1.seq, self.means.seq = state.pop("ft_seq")
+        load(state)
+        mine = state_digest(state_fn())  # what this worker now holds, after loading
+        digest = keys.donor_digest(world.round)
+        world.store.wait([digest], timedelta(seconds=world.timeout_s))
+        theirs = world.store.get(digest).decode()
+        match = mine == theirs
+        if self.shard_link is not None:  # every shard of the replica matches its donor shard
+            match = self.shard_link.all_true(match)
+        world.event(
+            "rejoined",
+            worker=world.rank,
+            donor=rnd.donor,
+            params_digest=mine,
+            donor_digest=theirs,
+            match=match,
+        )
+        world.store.set(keys.record(token), json.dumps(world.events[-1]))
+        return True
+
+    def _ask_to_join(self) -> None:
+        """A restarted replica asks to join once all its S processes are here (the replica
+        group's barrier): from then on the next round end admits it in every shard group."""
+        if self.shard_link is not None:
+            self.shard_link.all_true(True)
+            if self.shard_link.index == 0:
+                self.world.root.set(keys.ready(self.world.rank), str(self.world.incarnation))
+
+    def _receive_state(self, rnd: Round) -> dict:
+        pos = rnd.members.index(rnd.donor)
+        size = torch.zeros(1, dtype=torch.int64)
+        self.world.pg.recv([size], pos, SIZE_TAG).wait()
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.world.pg.recv([payload], pos, STATE_TAG).wait()
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)

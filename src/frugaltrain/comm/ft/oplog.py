@@ -1,0 +1,245 @@
+"""The operation log: every blocking operation (all-reduce, gather, metric, barrier) a worker
+posts, numbered in the order posted, and how a failure is survived.
+
+    post    all workers post the same operations in the same order, so number s means the same
+            thing everywhere. Blocking gossip travels as gathers, so a missing worker breaks an
+            operation for every member alike (never for some only).
+    wait    polls the operation; it fails on a gloo error (a killed peer closes its sockets),
+            when a member's heartbeat has stopped for the heartbeat timeout (a hung, stopped or
+            cut-off peer: seen within seconds, not at run.timeout_s), on the adaptive deadline
+            (run.deadline_factor x the p90 of recent round times, within [run.deadline_floor_s,
+            run.timeout_s]: a peer alive but stuck; the members that have not posted the
+            operation are cut out of the rendezvous), or when another worker has marked the
+            epoch broken in the store.
+    recover mark the epoch broken (the first reason wins) and re-rendezvous (world.py); the
+            survivors build the new group and re-post (`settle`), in order, every operation from
+            the lowest one any of them still has pending, now over the live set: an all-reduce
+            mean divides by the live count and a mix renormalizes each row over the members that
+            delivered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from frugaltrain.comm.base import CommStats
+from frugaltrain.comm.ft import heartbeat, keys
+from frugaltrain.comm.ft.world import EVICTED_EXIT, World, short_error
+
+LOG_KEEP = 8  # completed operations whose inputs are kept for a re-post after a failure
+POLL_S = 0.05  # how often a wait looks at the store (broken epoch, heartbeats)
+RECENT_ROUNDS = 20  # round ends the adaptive deadline looks at
+
+
+@dataclass(eq=False)
+class Op:
+    """One posted operation: kind in sum/max (all-reduce) or gather. `inputs` are kept so the
+    operation can be posted again in a new epoch; the rest is its current posting."""
+
+    seq: int
+    kind: str
+    inputs: list[torch.Tensor]
+    epoch: int = -1
+    members: list[int] = field(default_factory=list)
+    works: list = field(default_factory=list)
+    outputs: object = None
+    done: bool = False
+    result: object = None
+
+
+class OpLog:
+    """This worker's posted operations over `world`; `stats` counts the time spent recovering.
+    `on_recover`: called as a recovery starts (the epoch is marked broken, the rendezvous not
+    yet joined)."""
+
+    def __init__(self, world: World, stats: CommStats) -> None:
+        self.world, self.stats = world, stats
+        self.seq = 0
+        self.log: list[Op] = []
+        self.round_ends: list[float] = []  # monotonic time of the last round ends (deadline)
+        self.on_recover: list[Callable[[], None]] = []
+
+    # ---- posting
+    def post(self, kind: str, inputs: list[torch.Tensor]) -> Op:
+        if self.world.is_broken():
+            self.recover("another worker reported a failure")
+        op = Op(self.seq, kind, [t.detach().clone() for t in inputs])
+        self.seq += 1
+        self.log.append(op)
+        done = [o for o in self.log if o.done]
+        if len(done) > LOG_KEEP:
+            drop = {id(o) for o in done[: len(done) - LOG_KEEP]}
+            self.log = [o for o in self.log if id(o) not in drop]
+        self._launch(op)
+        self.world.store.set(keys.posted(self.world.rank), str(op.seq))  # who is stuck
+        return op
+
+    def _launch(self, op: Op) -> None:
+        world = self.world
+        op.epoch, op.members, op.done = world.epoch, list(world.members), False
+        n = len(op.members)
+        if n == 1:
+            op.works = []
+            op.outputs = op.inputs[0].clone() if op.kind != "gather" else [[p] for p in op.inputs]
+            return
+        if op.kind == "gather":
+            bufs = [[torch.empty_like(p) for _ in range(n)] for p in op.inputs]
+            op.works = [world.pg.allgather([b], [p]) for b, p in zip(bufs, op.inputs, strict=True)]
+            op.outputs = bufs
+            return
+        buf = op.inputs[0].clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX if op.kind == "max" else dist.ReduceOp.SUM
+        op.works = [world.pg.allreduce([buf], opts)]
+        op.outputs = buf
+
+    @staticmethod
+    def _result(op: Op):
+        if op.kind == "gather":
+            return {r: [b[i] for b in op.outputs] for i, r in enumerate(op.members)}
+        return op.outputs, len(op.members)
+
+    def completed(self, op: Op) -> bool:
+        return op.done or all(w.is_completed() for w in op.works)
+
+    # ---- waiting
+    def wait(self, op: Op) -> dict | tuple:
+        """The operation's result (gather: {rank: parts}; all-reduce: (total, members)), after
+        as many recoveries as it takes."""
+        while not op.done:
+            t_wait = time.monotonic()
+            reason = self._failure(op, t_wait)
+            if reason is None:
+                return op.result
+            self.stats.recovery_s += time.monotonic() - t_wait  # the wait that found it
+            self.recover(reason)
+        return op.result
+
+    def _failure(self, op: Op, t_wait: float) -> str | None:
+        """Poll `op` until it completes (None) or fails (why)."""
+        world = self.world
+        next_check = t_wait + POLL_S
+        beats = {
+            m: (heartbeat.beat_of(world.store, m), t_wait) for m in op.members if m != world.rank
+        }
+        deadline, why = self.deadline()
+        while True:
+            if all(w.is_completed() for w in op.works):
+                try:
+                    for w in op.works:
+                        w.wait()
+                except Exception as e:  # gloo reports a dead peer as a RuntimeError
+                    reason = short_error(e)
+                    low = reason.lower()
+                    if "timeout" in low or "timed out" in low:  # gloo's deadline: timeout_s
+                        reason = f"no answer within run.timeout_s = {world.timeout_s:g} s"
+                    return reason
+                op.done, op.result = True, self._result(op)
+                return None
+            now = time.monotonic()
+            if now - t_wait > deadline:
+                return self._evict_stuck(op, why)
+            if now >= next_check:
+                next_check = now + POLL_S
+                if world.has(keys.broken(op.epoch)):
+                    return "another worker reported a failure"
+                reason = self._silent_member(beats, now)  # a straggler is waited for
+                if reason is not None:
+                    return reason
+            time.sleep(0.001)
+
+    def finish_pending(self) -> None:
+        """Wait for every operation still pending (before the members re-form on purpose)."""
+        for o in self.log:
+            if not o.done:
+                self.wait(o)
+
+    def note_round_end(self) -> None:
+        self.round_ends = [*self.round_ends[-RECENT_ROUNDS:], time.monotonic()]
+
+    def deadline(self) -> tuple[float, str]:
+        """How long a blocking wait may last, and why: run.deadline_factor x the 90th percentile
+        of the last 20 rounds' wall times, within [run.deadline_floor_s, run.timeout_s];
+        run.timeout_s until three rounds have been timed."""
+        ends, opts, timeout_s = self.round_ends, self.world.options, self.world.timeout_s
+        if len(ends) < 4:
+            return timeout_s, f"run.timeout_s = {timeout_s:g} s"
+        p90 = float(np.percentile(np.diff(ends), 90))
+        d = min(timeout_s, max(opts.deadline_floor_s, opts.deadline_factor * p90))
+        return d, f"{d:.1f} s: {opts.deadline_factor:g} x p90 round {p90:.2f} s, floor " + (
+            f"{opts.deadline_floor_s:g} s, cap run.timeout_s = {timeout_s:g} s"
+        )
+
+    def _evict_stuck(self, op: Op, why: str) -> str:
+        """The deadline passed. Members that have not posted `op` (alive, their heartbeats
+        beating, but stuck) are cut out of the rendezvous, so the others re-form without them;
+        when one wakes up it finds itself evicted and restarts."""
+        store = self.world.store
+        stuck = [m for m in op.members if m != self.world.rank and self._posted(m) < op.seq]
+        for m in stuck:
+            store.set(keys.evict(m, int(store.get(keys.incarnation(m)))), "1")
+        return (f"workers {stuck}: " if stuck else "") + f"no answer within the deadline ({why})"
+
+    def _posted(self, member: int) -> int:
+        key = keys.posted(member)
+        return int(self.world.store.get(key)) if self.world.has(key) else -1
+
+    def _silent_member(self, beats: dict[int, tuple[int, float]], now: float) -> str | None:
+        """The first member whose heartbeat has not moved for the heartbeat timeout (hung,
+        stopped or cut off); `beats` holds each one's last count and when it moved."""
+        hb_timeout_s = self.world.hb_timeout_s
+        for member, (last, since) in beats.items():
+            beat = heartbeat.beat_of(self.world.store, member)
+            if beat != last:
+                beats[member] = (beat, now)
+            elif now - since > hb_timeout_s:
+                return f"worker {member}: no heartbeat for {hb_timeout_s:g} s"
+        return None
+
+    # ---- recovery
+    def recover(self, reason: str) -> None:
+        """Mark this epoch broken (the first reason named wins), re-rendezvous with whoever is
+        alive, and re-post what was interrupted."""
+        world = self.world
+        t0 = time.monotonic()
+        reason = world.store.compare_set(keys.broken(world.epoch), "", reason).decode()
+        for hook in self.on_recover:
+            hook()
+        old = list(world.members)
+        world.rendezvous("recover")
+        if world.members == old:  # e.g. a partition that healed before the others agreed
+            world.event("reformed", reason=reason)
+        self.settle(old, reason)
+        self.stats.recovery_s += time.monotonic() - t0
+
+    def settle(self, old: list[int], reason: str) -> None:
+        """After a rendezvous: log who left, then re-post, in order, every operation from the
+        lowest one any old member still has pending (joiners took part in none of them)."""
+        world = self.world
+        lost = sorted(set(old) - set(world.members))
+        if lost:
+            world.event("left", workers=lost, reason=reason)
+        stay = [m for m in world.members if m in old]
+        low = min((o.seq for o in self.log if not o.done), default=self.seq)
+        world.store.set(keys.low(world.epoch, world.rank), str(low))
+        lows = [keys.low(world.epoch, m) for m in stay]
+        world.store.wait(lows, timedelta(seconds=world.timeout_s))
+        start = min(int(v) for v in world.store.multi_get(lows))
+        kept = {o.seq for o in self.log}
+        if any(s not in kept for s in range(start, self.seq)):
+            world.event("evicted", reason=f"cannot replay operations from {start}")
+            world.exit(EVICTED_EXIT)
+        for o in sorted(self.log, key=lambda o: o.seq):
+            if o.seq < start:
+                continue
+            if o.done:  # finished here but not everywhere: take part again, keep our result
+                self._launch(Op(o.seq, o.kind, o.inputs))
+            else:
+                self._launch(o)

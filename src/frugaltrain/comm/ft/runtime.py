@@ -1,0 +1,105 @@
+"""`ElasticRuntime`: the training loop's side of the fault-tolerant runtime (comm/runtime.py's
+`Runtime` hooks): logging scalars through the store (means.py), the round end (bookkeeping,
+recovery from a failure reported during the round, admission of restarted workers), a
+restarted worker's rejoin (admission.py), the round record's fields and the membership records.
+
+It also lends the fault-injection layer (comm/faults.py) what it needs to act like a real
+fault: going silent as behind a partition, stopping the heartbeat, and a hook at the start of a
+recovery.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from frugaltrain.comm.ft import keys
+from frugaltrain.comm.ft.admission import Admission
+from frugaltrain.comm.ft.comm import ElasticComm
+from frugaltrain.comm.ft.means import StoreMeans
+from frugaltrain.comm.runtime import Means, Runtime, StateFn
+
+
+class ElasticRuntime(Runtime):
+    """The runtime around an ElasticComm: its members change between rounds."""
+
+    comm: ElasticComm
+
+    def __init__(self, comm: ElasticComm) -> None:
+        super().__init__(comm)
+        self.world, self.oplog = comm.world, comm.oplog
+        self.means = StoreMeans(comm.oplog)
+        self.admission = Admission(comm.oplog, comm.mix1, self.means, comm.shard_link)
+
+    @property
+    def round(self) -> int:
+        """The last finished round (a restarted worker: its donor's)."""
+        return self.world.round
+
+    def metric_mean_async(self, values: list[float]) -> Means:
+        """Per-round logging scalars go through the store, so no worker waits for them."""
+        return self.means.post(values)
+
+    def rejoin(self, load: Callable[[dict], None], state_fn: StateFn) -> bool:
+        return self.admission.rejoin(load, state_fn)
+
+    def writes_markers(self, local_rank: int) -> bool:
+        """The lowest live member (local launches only: one machine)."""
+        return self.comm.rank == self.comm.members[0]
+
+    def close(self, finished: bool = True) -> None:
+        """The worker leaves; `finished`: it trained to the end (the launcher then stops
+        restarting workers that die, and closes the rendezvous once the last epoch is done)."""
+        store, rank = self.world.store, self.comm.rank
+        if finished:
+            store.set(keys.final_members(rank), json.dumps(self.comm.members))
+            store.set(keys.finished(rank), "1")
+            store.set(keys.DONE, "1")
+        self.world.heartbeat.stop()
+
+    # ---- what the fault-injection layer calls (comm/faults.py)
+    def silence(self, on: bool) -> None:
+        """While `on`, this worker is cut off as behind a partition: no heartbeat and no
+        rendezvous keep-alive, while its sockets stay open."""
+        if on:
+            self.world.heartbeat.silence(True)
+            self.world.membership.cut(True)
+        else:
+            self.world.membership.cut(False)
+            self.world.heartbeat.silence(False)
+
+    def stop_heartbeat(self) -> None:
+        self.world.heartbeat.stop()
+
+    def at_recovery(self, hook: Callable[[], None]) -> None:
+        """Call `hook` whenever this worker starts recovering from a failure (its epoch just
+        marked broken, the rendezvous not yet joined)."""
+        self.oplog.on_recover.append(hook)
+
+    # ---- the round end (comm/runtime.py)
+    def _round_fields(self) -> dict:
+        """Fault-tolerance fields of worker 0's round record: how far behind the slowest
+        member is, and the Mix1 messages worker 0 dropped at the deadline this round."""
+        store, members = self.world.store, self.comm.members
+        ats = [keys.at(m) for m in members]
+        at = [int(v) for v in store.multi_get(ats)] if store.check(ats) else []
+        fields = {"ft/members": len(members), "ft/mix1_late": self.comm.mix1.take_late()}
+        if at:
+            fields["ft/slowest_round"] = min(at)
+        return fields
+
+    def _drain_events(self) -> list[dict]:
+        """Membership records and the guard's rejections, in the order they happened."""
+        return self.world.take_events() + self.comm.drain_rejections()
+
+    def _admit(self, round_idx: int, state_fn: StateFn) -> None:
+        """At a round end: recover from a failure reported during the round (e.g. a Mix1 peer
+        failed), then admit restarted workers."""
+        world = self.world
+        world.round = round_idx
+        self.oplog.note_round_end()
+        world.store.set(keys.at(world.rank), str(round_idx))
+        reason = world.broken()
+        if reason is not None:
+            self.oplog.recover(reason)
+        self.admission.at_round_end(round_idx, state_fn)
