@@ -66,8 +66,8 @@ JOB = [  # the tiny byte-level job of the fault tests
     "run.eval_batches=4",
     "run.threads=1",
     "run.progress=false",
-    "run.fault_tolerance=true",
-    "run.deadline_floor_s=5",
+    "fault_tolerance.enabled=true",
+    "fault_tolerance.deadline_floor_s=5",
 ]
 
 
@@ -100,10 +100,10 @@ def matrix(args, tmp: str) -> list[dict]:
     slow = f"slow:seconds={args.sleep}"
     for strategy in args.strategies.split(","):
         sets = [*base, *STRATEGIES[strategy]]
-        clean = run([*sets, f"run.inject={slow!r}"], tmp, f"{strategy}-clean")
+        clean = run([*sets, f"fault_tolerance.inject={slow!r}"], tmp, f"{strategy}-clean")
         for fault in args.faults.split(","):
             spec = f"{FAULTS[fault]};{slow}"
-            got = run([*sets, f"run.inject={spec!r}"], tmp, f"{strategy}-{fault}")
+            got = run([*sets, f"fault_tolerance.inject={spec!r}"], tmp, f"{strategy}-{fault}")
             rows.append(
                 {
                     "strategy": strategy,
@@ -142,12 +142,12 @@ def soak_spec(rounds: int, seed: int, workers: int) -> str:
 def soak(args, tmp: str) -> dict:
     rounds, workers = args.soak_rounds, 4
     sets = [f"run.workers={workers}", f"run.steps={4 * rounds}", f"run.eval_every={4 * rounds}"]
-    sets.append(f"run.max_restarts={rounds // 10}")  # a worker may meet every fault
+    sets.append(f"fault_tolerance.max_restarts={rounds // 10}")  # a worker may meet every fault
     sets += STRATEGIES[args.soak_strategy]
     slow = f"slow:seconds={args.sleep}"
     spec = soak_spec(rounds, args.seed, workers)
-    clean = run([*sets, f"run.inject={slow!r}"], tmp, "soak-clean")
-    got = run([*sets, f"run.inject={spec + ';' + slow!r}"], tmp, "soak-faulted")
+    clean = run([*sets, f"fault_tolerance.inject={slow!r}"], tmp, "soak-clean")
+    got = run([*sets, f"fault_tolerance.inject={spec + ';' + slow!r}"], tmp, "soak-faulted")
     out = {"strategy": args.soak_strategy, "rounds": rounds, "spec": spec, "clean": clean}
     out |= {"faulted": got, "overhead": got["wall_s"] / clean["wall_s"]}
     out["loss_ratio"] = got["loss_val"] / clean["loss_val"]

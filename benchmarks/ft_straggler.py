@@ -1,11 +1,11 @@
 """A straggler on the fault-tolerant runtime: who waits for it, measured.
 
-Three gloo workers on this machine, `run.fault_tolerance = true`, the bundled corpus. Worker 1
+Three gloo workers on this machine, `fault_tolerance.enabled = true`, the bundled corpus. Worker 1
 is slowed by `--factor` (it sleeps so each inner step takes factor x its measured time). Each
 method runs twice in one invocation, with and without the straggler:
 
 - fgd GlobalM1: Mix1 is the only exchange between evaluations; a worker waits at most
-  run.mix1_deadline_s for a late Mix1 message, then drops it (row renormalized).
+  fault_tolerance.mix1_deadline_s for a late Mix1 message, then drops it (row renormalized).
 - diloco: the outer all-reduce is blocking and every worker takes part in it.
 
 Reported per run (all measured, wall clock): worker 0's time to its last round before the
@@ -44,9 +44,9 @@ def config(out: Path, method: list[str], args: argparse.Namespace, straggler: bo
         "run.eval_batches=2",
         "run.progress=false",
         "run.threads=1",
-        "run.fault_tolerance=true",
+        "fault_tolerance.enabled=true",
         "run.timeout_s=120",
-        f"run.mix1_deadline_s={args.deadline}",
+        f"fault_tolerance.mix1_deadline_s={args.deadline}",
         "data.max_bytes=1000000",
         "data.batch_size=8",
         "data.seq_len=64",
@@ -57,7 +57,7 @@ def config(out: Path, method: list[str], args: argparse.Namespace, straggler: bo
         *method,
     ]
     if straggler:
-        sets.append(f"run.inject='slow:worker=1,factor={args.factor}'")
+        sets.append(f"fault_tolerance.inject='slow:worker=1,factor={args.factor}'")
     return build_config(Config, {}, sets)
 
 
@@ -82,7 +82,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--factor", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--deadline", type=float, default=0.1, help="run.mix1_deadline_s")
+    p.add_argument("--deadline", type=float, default=0.1, help="fault_tolerance.mix1_deadline_s")
     p.add_argument("--out", default="benchmarks/results/ft_straggler.json")
     args = p.parse_args()
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 
 def detected_by(reason: str) -> str:
-    """The mechanism a membership record's `reason` names, by the texts the fault-tolerant runtime (comm/ft/) writes:
+    """The mechanism a membership record's `reason` names, by the texts the fault-tolerant
+    runtime (comm/ft/) writes:
     "heartbeat" (a member silent for the heartbeat timeout, in a blocking wait or behind a late
     Mix1 message), "deadline" (the adaptive deadline), "run.timeout_s" (a wait that lasted
     run.timeout_s: gloo's own timeout, or the deadline before it has rounds to adapt to),

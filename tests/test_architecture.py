@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "frugaltrain"
 # Lower numbers sit lower. A module may import its own part and anything strictly lower; parts on
 # one level are independent of each other.
 LEVEL = {
-    "faults": 0,  # the grammar of run.inject, which the config checks
+    "faults": 0,  # the grammar of fault_tolerance.inject, which the config checks
     "config": 1,
     "data": 2,
     "models": 2,

@@ -44,14 +44,8 @@ def test_key_set_is_pinned():
             "progress",
             "tensorboard",
             "wandb",
-            "fault_tolerance",
-            "mix1_deadline_s",
-            "max_restarts",
-            "deadline_factor",
-            "deadline_floor_s",
             "guard",
             "guard_factor",
-            "inject",
         ],
         "data": [
             "path",
@@ -98,6 +92,14 @@ def test_key_set_is_pinned():
             "fgd",
             "noloco",
             "streaming",
+        ],
+        "fault_tolerance": [
+            "enabled",
+            "mix1_deadline_s",
+            "max_restarts",
+            "deadline_factor",
+            "deadline_floor_s",
+            "inject",
         ],
     }
     outer = Config().outer
@@ -262,3 +264,15 @@ def test_outer_keys_the_strategy_ignores_are_warned_about(make_config):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same keys where they are read: silent
         make_config("outer.strategy=fgd", "outer.codec=int8", "outer.fgd.mix2=pairs")
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("run.fault_tolerance=true", "fault_tolerance.enabled"),
+        ("run.inject=''", "fault_tolerance.inject"),
+    ],
+)
+def test_fault_tolerance_keys_moved_to_their_section(old, new):
+    with pytest.raises(ConfigError, match=f"unknown key {old.split('=')[0]}: it is now {new}$"):
+        build_config(Config, {}, [old])

@@ -85,7 +85,10 @@ def digests(config_factory, tmp_path_factory) -> dict:
         out[f"sim/{name}"] = _digest([list(m.parameters()) for m in result.models])
 
     # The launchers: spawned local processes, and the fault-tolerant supervisor (no faults).
-    for name, extra in (("launch/fgd", ()), ("launch-ft/diloco", ("run.fault_tolerance=true",))):
+    for name, extra in (
+        ("launch/fgd", ()),
+        ("launch-ft/diloco", ("fault_tolerance.enabled=true",)),
+    ):
         strategy = STRATEGIES["fgd-GlobalM1LocalM2" if "fgd" in name else "diloco"]
         cfg = config_factory(root, *BASE, *strategy, *extra, "run.workers=3")
         run_dir = launch.new_run_dir(cfg)

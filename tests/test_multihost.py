@@ -217,8 +217,8 @@ def test_two_node_agents_resume_exactly(first_launch):
 
 def test_torchrun_refuses_what_it_cannot_run(make_config, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
-    ft = make_config("run.fault_tolerance=true")
-    with pytest.raises(ConfigError, match="run.fault_tolerance = true: under torchrun"):
+    ft = make_config("fault_tolerance.enabled=true")
+    with pytest.raises(ConfigError, match="fault_tolerance.enabled = true: under torchrun"):
         launch._join_torchrun(ft)
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
@@ -253,7 +253,12 @@ def test_nodes_flags_build_the_torchrun_command(make_config):
         ((), (2, 0, "h"), [], "--rdzv 'h': give HOST:PORT"),
         ((), (None, 1, None), [], "--nodes, --node-rank and --rdzv go together"),
         ((), (2, 0, "h:1"), ["--baseline", "diloco"], "launch the baseline on its own"),
-        (("run.fault_tolerance=true",), (2, 0, "h:1"), [], "run.fault_tolerance = true: under"),
+        (
+            ("fault_tolerance.enabled=true",),
+            (2, 0, "h:1"),
+            [],
+            "fault_tolerance.enabled = true: under",
+        ),
     ],
 )
 def test_nodes_flags_refuse_bad_input(make_config, sets, where, argv, error):

@@ -1,4 +1,4 @@
-"""Fault injection on the real runtime: `run.inject` (or `frugaltrain train --inject`).
+"""Fault injection on the real runtime: `fault_tolerance.inject` (or `frugaltrain train --inject`).
 
 Specs are `;`-separated, each `kind:key=value,...`:
 
@@ -15,7 +15,7 @@ Specs are `;`-separated, each `kind:key=value,...`:
     stall:worker=1,round=3,seconds=60
                                worker 1's training stops mid-round 3 for 60 s while its
                                heartbeats go on (stuck in a data loader, swapping): only the
-                               adaptive deadline (run.deadline_factor) finds it
+                               adaptive deadline (fault_tolerance.deadline_factor) finds it
     slow:worker=1,factor=3     worker 1's inner steps take `factor` times their measured time
                                (it sleeps the difference; without worker=, every worker)
     slow:worker=1,seconds=0.2  worker 1 sleeps 0.2 s more after every inner step, however fast
@@ -64,55 +64,62 @@ class Fault:
 
 
 def parse(spec: str) -> list[Fault]:
-    """Parse a `run.inject` string; ValueError names the bad part and the accepted form."""
+    """Parse a `fault_tolerance.inject` string; ValueError names the bad part and the accepted
+    form."""
     faults = []
     for part in filter(None, (s.strip() for s in spec.split(";"))):
         kind, _, args = part.partition(":")
         corruption, at = None, ""
         if kind not in _KEYS:
             raise ValueError(
-                f"run.inject part {part!r}: unknown fault {kind!r}; use kill, hang, partition, "
-                "stall, slow, drop or corrupt (e.g. 'kill:worker=2,round=5')"
+                f"fault_tolerance.inject part {part!r}: unknown fault {kind!r}; use kill, hang, "
+                "partition, stall, slow, drop or corrupt (e.g. 'kill:worker=2,round=5')"
             )
         values: dict[str, float] = {}
         for item in filter(None, (a.strip() for a in args.split(","))):
             key, eq, value = item.partition("=")
             if not eq or key not in _KEYS[kind]:
                 raise ValueError(
-                    f"run.inject part {part!r}: expected keys {sorted(_KEYS[kind])} as key=value"
+                    f"fault_tolerance.inject part {part!r}: expected keys {sorted(_KEYS[kind])} "
+                    "as key=value"
                 )
             if key == "value":
                 if value not in CORRUPTIONS:
                     raise ValueError(
-                        f"run.inject part {part!r}: value must be one of {', '.join(CORRUPTIONS)}"
+                        f"fault_tolerance.inject part {part!r}: value must be one of "
+                        f"{', '.join(CORRUPTIONS)}"
                     )
                 corruption = value
                 continue
             if key == "at":
                 if value not in ("step", "recovery"):
-                    raise ValueError(f"run.inject part {part!r}: at must be step or recovery")
+                    raise ValueError(
+                        f"fault_tolerance.inject part {part!r}: at must be step or recovery"
+                    )
                 at = "" if value == "step" else value
                 continue
             try:
                 values[key] = float(value)
             except ValueError:
-                raise ValueError(f"run.inject part {part!r}: {key} must be a number") from None
+                raise ValueError(
+                    f"fault_tolerance.inject part {part!r}: {key} must be a number"
+                ) from None
         given = set(values) | ({"value"} if corruption else set())
         if kind == "slow":
             if not {"factor", "seconds"} & given:
-                raise ValueError(f"run.inject part {part!r}: needs factor= or seconds=")
+                raise ValueError(f"fault_tolerance.inject part {part!r}: needs factor= or seconds=")
         elif not _KEYS[kind] - {"at"} <= given:
-            raise ValueError(f"run.inject part {part!r}: needs {sorted(_KEYS[kind])}")
+            raise ValueError(f"fault_tolerance.inject part {part!r}: needs {sorted(_KEYS[kind])}")
         if kind == "drop" and not 0.0 <= values["p"] < 1.0:
-            raise ValueError(f"run.inject part {part!r}: p must be in [0, 1)")
+            raise ValueError(f"fault_tolerance.inject part {part!r}: p must be in [0, 1)")
         if kind == "slow" and values.get("factor", 1.0) < 1.0:
-            raise ValueError(f"run.inject part {part!r}: factor must be >= 1")
+            raise ValueError(f"fault_tolerance.inject part {part!r}: factor must be >= 1")
         if kind == "slow" and values.get("seconds", 0.0) < 0:
-            raise ValueError(f"run.inject part {part!r}: seconds must be >= 0")
+            raise ValueError(f"fault_tolerance.inject part {part!r}: seconds must be >= 0")
         if kind in ("partition", "stall") and values["seconds"] <= 0:
-            raise ValueError(f"run.inject part {part!r}: seconds must be positive")
+            raise ValueError(f"fault_tolerance.inject part {part!r}: seconds must be positive")
         if kind in _ONCE and values["round"] < 1:
-            raise ValueError(f"run.inject part {part!r}: round counts from 1")
+            raise ValueError(f"fault_tolerance.inject part {part!r}: round counts from 1")
         faults.append(
             Fault(
                 kind,

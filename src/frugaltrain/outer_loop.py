@@ -72,7 +72,7 @@ def wrap(
     `optimizer.step()`, before the optimizer updates anything. wrap does not recover: restart
     every worker from your last checkpoint (model, optimizer and `OuterLoop.state_dict()`). The
     fault-tolerant runtime (comm/ft/: membership epochs, deadlines, rejoin) is available
-    only through `frugaltrain train --set run.fault_tolerance=true`.
+    only through `frugaltrain train --set fault_tolerance.enabled=true`.
 
     Papers: DiLoCo arXiv 2311.08105; Factored Gossip DiLoCo (fgd, Mix1 with W1 and Mix2 with
     W2) arXiv 2606.22768; NoLoCo arXiv 2506.10911; Streaming DiLoCo arXiv 2501.18512.

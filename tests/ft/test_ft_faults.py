@@ -53,9 +53,9 @@ def test_ft_kill_and_rejoin(config_factory, tmp_path: Path):
         tmp_path / "ft",
         *COMMON,
         *ckpt,
-        "run.fault_tolerance=true",
+        "fault_tolerance.enabled=true",
         "run.timeout_s=20",
-        "run.inject='kill:worker=2,round=3;slow:factor=3'",
+        "fault_tolerance.inject='kill:worker=2,round=3;slow:factor=3'",
     )
     run_dir, records = _run(cfg)
     events = [r for r in records if r.get("kind") == "membership"]
@@ -117,10 +117,10 @@ def test_ft_silent_worker_does_not_hang_others(
         *COMMON,
         *strategy,
         "run.steps=60",
-        "run.fault_tolerance=true",
+        "fault_tolerance.enabled=true",
         f"run.timeout_s={timeout_s}",
-        "run.mix1_deadline_s=1.0",
-        "run.inject='hang:worker=1,round=3'",
+        "fault_tolerance.mix1_deadline_s=1.0",
+        "fault_tolerance.inject='hang:worker=1,round=3'",
     )
     _, records = _run(cfg)
     # One change, found by the mechanism expected: the heartbeat (behind the Mix1 deadline in
@@ -165,10 +165,10 @@ def test_ft_straggler_delays_only_blocking_participants(config_factory, tmp_path
         *COMMON,
         "run.steps=64",
         "run.eval_every=0",
-        "run.fault_tolerance=true",
+        "fault_tolerance.enabled=true",
         "run.timeout_s=60",
-        "run.mix1_deadline_s=0.05",
-        "run.inject='slow:worker=1,seconds=0.2'",
+        "fault_tolerance.mix1_deadline_s=0.05",
+        "fault_tolerance.inject='slow:worker=1,seconds=0.2'",
     ]
     _, fgd = _run(config_factory(tmp_path / "fgd", *common))
     _, diloco = _run(
@@ -203,10 +203,10 @@ def test_ft_partitioned_worker_leaves_and_rejoins(config_factory, tmp_path: Path
         tmp_path,
         *COMMON,
         "run.steps=320",
-        "run.fault_tolerance=true",
+        "fault_tolerance.enabled=true",
         "run.timeout_s=8",  # heartbeat timeout 2 s
-        "run.mix1_deadline_s=0.5",
-        "run.inject='partition:worker=1,round=3,seconds=10;slow:factor=10'",
+        "fault_tolerance.mix1_deadline_s=0.5",
+        "fault_tolerance.inject='partition:worker=1,round=3,seconds=10;slow:factor=10'",
     )
     _, records = _run(cfg)
     events = [r for r in records if r.get("kind") == "membership"]
@@ -253,10 +253,10 @@ def test_ft_inject_specs():
         "partition:worker=1,round=2,seconds=0",
     )
     for bad in bad_specs:
-        with pytest.raises(ValueError, match="run.inject"):
+        with pytest.raises(ValueError, match="fault_tolerance.inject"):
             parse(bad)
 
 
 def test_ft_inject_needs_fault_tolerance(make_config):
-    with pytest.raises(ConfigError, match="run.fault_tolerance"):
-        make_config("run.inject='drop:p=0.1'")
+    with pytest.raises(ConfigError, match="fault_tolerance.enabled"):
+        make_config("fault_tolerance.inject='drop:p=0.1'")

@@ -28,7 +28,7 @@ COMMON = [
     "run.eval_every=0",
     "run.eval_batches=4",
     "run.threads=1",
-    "run.fault_tolerance=true",
+    "fault_tolerance.enabled=true",
     "run.timeout_s=30",
 ]
 STRATEGIES = {
@@ -59,7 +59,7 @@ def clean(config_factory, tmp_path_factory) -> dict[str, float]:
 @pytest.mark.parametrize("value", CORRUPTIONS)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_poisoned_round_is_contained(clean, config_factory, tmp_path, strategy, value):
-    inject = f"run.inject='corrupt:worker=1,round=2,value={value}'"
+    inject = f"fault_tolerance.inject='corrupt:worker=1,round=2,value={value}'"
     cfg = config_factory(tmp_path, *COMMON, *STRATEGIES[strategy], inject)
     records, run_dir = _run(cfg)
 

@@ -32,9 +32,9 @@ SETS = [
     "run.eval_every=0",
     "run.checkpoint_every=8",
     "run.threads=1",
-    "run.fault_tolerance=true",
+    "fault_tolerance.enabled=true",
     "run.timeout_s=20",
-    "run.inject='kill:worker=1,round=3;slow:seconds=0.1'",
+    "fault_tolerance.inject='kill:worker=1,round=3;slow:seconds=0.1'",
 ]
 
 

@@ -43,7 +43,7 @@ COMMON = [
     "run.eval_every=0",
     "run.eval_batches=4",
     "run.threads=1",
-    "run.fault_tolerance=true",
+    "fault_tolerance.enabled=true",
     "run.timeout_s=300",
 ]
 HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/ft/heartbeat.py)
@@ -84,7 +84,7 @@ def _faulted(config_factory, tmp_path: Path, strategy: str, steps: int, inject: 
         *COMMON,
         *STRATEGIES[strategy],
         f"run.steps={steps}",
-        f"run.inject='{inject};slow:seconds=0.1'",
+        f"fault_tolerance.inject='{inject};slow:seconds=0.1'",
         *sets,
     )
     run_dir, records = _run(cfg)
@@ -165,10 +165,10 @@ def test_partition_in_a_blocking_strategy(config_factory, tmp_path: Path):
 def test_stalled_worker_meets_the_adaptive_deadline(config_factory, tmp_path: Path):
     # Worker 1's training stops for 12 s mid-round 8 while its heartbeats go on: only the
     # deadline can find it, in the others' round-8 all-reduce. It adapts to the rounds measured
-    # so far (run.deadline_factor = 4 x their p90, floor run.deadline_floor_s = 2 s here), far
-    # below run.timeout_s = 300 s and below the stall itself: the others go on without worker 1,
-    # which rejoins when its stall is over.
-    inject, floor = "stall:worker=1,round=8,seconds=12", ["run.deadline_floor_s=2"]
+    # so far (fault_tolerance.deadline_factor = 4 x their p90, floor
+    # fault_tolerance.deadline_floor_s = 2 s here), far below run.timeout_s = 300 s and below
+    # the stall itself: the others go on without worker 1, which rejoins when its stall is over.
+    inject, floor = "stall:worker=1,round=8,seconds=12", ["fault_tolerance.deadline_floor_s=2"]
     events = _faulted(config_factory, tmp_path, "diloco", 240, inject, sets=floor)
     assert _left(events) == [1], events
     _found(events["left"][0], [1], 7, "deadline")

@@ -1,5 +1,5 @@
 """Fault injection on the fault-tolerant runtime, as a layer around it (frugaltrain/faults.py
-parses `run.inject` and decides when each fault is due; this makes it happen).
+parses `fault_tolerance.inject` and decides when each fault is due; this makes it happen).
 
     FaultyWire      the comm's wire (comm/base.py `Wire`): what this worker sends in a corrupt
                     round is garbage, and each gossip message it receives may be lost (the same

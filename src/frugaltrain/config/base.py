@@ -40,6 +40,7 @@ class Section:
     """A config section: checks its own fields when built. `section` is its name in TOML."""
 
     section: ClassVar[str] = ""
+    moved: ClassVar[dict[str, str]] = {}  # keys now in another section -> their new full key
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -144,6 +145,9 @@ def _build(cls: type, raw: dict, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
+            moved = getattr(cls, "moved", {}).get(key)  # to another section: its full key
+            if moved:
+                raise ConfigError(f"unknown key {prefix}{key}: it is now {moved}")
             moved = _moved_to(hints, key)
             if issubclass(cls, Section) and moved:
                 raise ConfigError(f"unknown key {prefix}{key}: it is now {prefix}{moved}")

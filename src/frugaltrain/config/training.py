@@ -131,26 +131,6 @@ class RunSection(Section):
     wandb: str = ""
     """Also log the same metrics to an offline Weights & Biases run in `<run dir>/wandb/`:
     "" (off) or "offline" (upload later with `wandb sync`); needs the wandb extra."""
-    fault_tolerance: bool = False
-    """Membership epochs, deadlines and rejoin (comm/elastic.py): workers that die or stop
-    answering for run.timeout_s are dropped, restarted ones rejoin from a live peer; local
-    launches only. See docs/fault_tolerance.md."""
-    mix1_deadline_s: float = 10.0
-    """Fault-tolerant runtime: the longest a worker waits at a round end for Mix1 messages still
-    missing (a straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and
-    the row renormalized, so Mix1 never waits on a straggler beyond this."""
-    max_restarts: int = 3
-    """Fault-tolerant runtime: how many times the launcher restarts one worker before it calls
-    the run failed (a worker that keeps dying is more likely a bug than a fault to ride out).
-    `train --nodes` passes it to torchrun as --max-restarts (restarts of a machine's workers)."""
-    deadline_factor: float = 4.0
-    """Fault-tolerant runtime: a blocking wait fails after this multiple of the 90th percentile
-    of the last rounds' wall times (a peer alive, its heartbeat beating, but stuck), at least
-    run.deadline_floor_s and at most run.timeout_s. A peer whose heartbeat stops is dropped
-    within seconds whatever this is."""
-    deadline_floor_s: float = 60.0
-    """The shortest adaptive deadline, in seconds: slack for what a round can legitimately
-    contain on one peer only (a checkpoint write, a slow evaluation)."""
     guard: str = "reject"
     """What happens to a contribution (pseudo-gradient or parameters) far outside the others
     before it is averaged or mixed: reject (left out; its sender takes its peers' values), clip
@@ -159,11 +139,12 @@ class RunSection(Section):
     guard_factor: float = 10.0
     """A contribution whose norm exceeds this multiple of the median of the members' norms is
     an outlier."""
-    inject: str = ""
-    """Faults to inject (needs fault_tolerance), ';'-separated: 'kill:worker=2,round=5',
-    'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5',
-    'stall:worker=1,round=3,seconds=60', 'slow:worker=1,factor=3',
-    'drop:p=0.1', 'corrupt:worker=1,round=3,value=1e30' (see frugaltrain.faults)."""
+    # Keys that moved to their own section: refused here with their new name.
+    moved: ClassVar[dict[str, str]] = {
+        "fault_tolerance": "fault_tolerance.enabled",
+        **{k: f"fault_tolerance.{k}" for k in ("mix1_deadline_s", "max_restarts", "inject")},
+        **{k: f"fault_tolerance.{k}" for k in ("deadline_factor", "deadline_floor_s")},
+    }
 
     def check(self) -> None:
         self.require(
@@ -184,10 +165,6 @@ class RunSection(Section):
         self.one_of("device", ("cpu", "cuda"))
         self.one_of("dtype", ("fp32", "bf16"))
         self.positive("timeout_s")
-        self.positive("mix1_deadline_s")
-        self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
-        self.positive("deadline_floor_s")
-        self.at_least("max_restarts", 0)
         self.one_of("guard", ("reject", "clip", "off"))
         self.require(
             self.wandb in ("", "offline"),
@@ -196,10 +173,49 @@ class RunSection(Section):
             "refused too: log offline and upload with `wandb sync <run dir>/wandb/offline-run-*`",
         )
         self.require(self.guard_factor > 1, "guard_factor", "must be above 1 (the median itself)")
+
+
+@dataclass(kw_only=True)
+class FaultToleranceSection(Section):
+    """The fault-tolerant runtime (comm/ft/, docs/fault_tolerance.md): the launcher's policy
+    and the runtime's deadlines, passed whole to both. run.timeout_s, which every runtime
+    reads, stays in [run]."""
+
+    section = "fault_tolerance"
+    enabled: bool = False
+    """Membership epochs, deadlines and rejoin: workers that die or stop answering are dropped,
+    restarted ones rejoin from a live peer; local launches only."""
+    mix1_deadline_s: float = 10.0
+    """The longest a worker waits at a round end for Mix1 messages still missing (a
+    straggler's or a dead peer's), capped by run.timeout_s. Later ones are dropped and the row
+    renormalized, so Mix1 never waits on a straggler beyond this."""
+    max_restarts: int = 3
+    """How many times the launcher restarts one worker before it calls the run failed (a worker
+    that keeps dying is more likely a bug than a fault to ride out). `train --nodes` passes it
+    to torchrun as --max-restarts (restarts of a machine's workers)."""
+    deadline_factor: float = 4.0
+    """A blocking wait fails after this multiple of the 90th percentile of the last rounds'
+    wall times (a peer alive, its heartbeat beating, but stuck), at least
+    fault_tolerance.deadline_floor_s and at most run.timeout_s. A peer whose heartbeat stops is
+    dropped within seconds whatever this is."""
+    deadline_floor_s: float = 60.0
+    """The shortest adaptive deadline, in seconds: slack for what a round can legitimately
+    contain on one peer only (a checkpoint write, a slow evaluation)."""
+    inject: str = ""
+    """Faults to inject (needs enabled), ';'-separated: 'kill:worker=2,round=5',
+    'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5',
+    'stall:worker=1,round=3,seconds=60', 'slow:worker=1,factor=3',
+    'drop:p=0.1', 'corrupt:worker=1,round=3,value=1e30' (see frugaltrain.faults)."""
+
+    def check(self) -> None:
+        self.positive("mix1_deadline_s")
+        self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
+        self.positive("deadline_floor_s")
+        self.at_least("max_restarts", 0)
         self.require(
-            not self.inject or self.fault_tolerance,
+            not self.inject or self.enabled,
             "inject",
-            "faults are injected by the fault-tolerant runtime; set run.fault_tolerance = true",
+            "faults are injected by the fault-tolerant runtime; set fault_tolerance.enabled = true",
         )
         try:
             faults.parse(self.inject)
@@ -620,6 +636,7 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=OptimSection)
     outer: OuterSection = field(default_factory=OuterSection)
+    fault_tolerance: FaultToleranceSection = field(default_factory=FaultToleranceSection)
 
     def __post_init__(self) -> None:
         r, d, m, o, opt = self.run, self.data, self.model, self.outer, self.optim
@@ -664,7 +681,7 @@ class Config:
             _check_streaming(o, m)
         if r.shards > 1:
             _check_shards(r, d, opt, o)
-        _check_faults(r, o)
+        _check_faults(self.fault_tolerance, r, o)
         _warn_unused_outer_keys(o)
 
 
@@ -705,21 +722,21 @@ def _check_streaming(o: OuterSection, m: ModelSection) -> None:
     )
 
 
-def _check_faults(r: RunSection, o: OuterSection) -> None:
+def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> None:
     """Every injected fault names a worker of this run and fires in one of its rounds."""
     rounds = -(-r.steps // o.H)
-    for fault in faults.parse(r.inject):
+    for fault in faults.parse(ft.inject):
         require(
             fault.worker < r.workers,
-            "run.inject",
-            r.inject,
+            "fault_tolerance.inject",
+            ft.inject,
             f"{fault.kind} names worker {fault.worker} but run.workers = {r.workers} "
             f"(workers 0 to {r.workers - 1})",
         )
         require(
             fault.round <= rounds,
-            "run.inject",
-            r.inject,
+            "fault_tolerance.inject",
+            ft.inject,
             f"{fault.kind} fires in round {fault.round} but the run has {rounds} rounds "
             f"(run.steps / outer.H); it would never fire",
         )

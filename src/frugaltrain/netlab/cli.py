@@ -62,8 +62,8 @@ def main(argv: list[str]) -> int:
 
         config, overrides = _train_overrides(rest)
         cfg, run_dir, _ = prepare(config, overrides, None)
-        if cfg.run.fault_tolerance:
-            raise ConfigError("netlab run uses the plain runtime; drop run.fault_tolerance")
+        if cfg.fault_tolerance.enabled:
+            raise ConfigError("netlab run uses the plain runtime; drop fault_tolerance.enabled")
         (run_dir / "config.toml").write_text(to_toml(cfg))
         print(f"run dir: {run_dir} ({cfg.outer.strategy}, {cfg.run.workers} workers, "
               f"{args.rate_mbit:g} Mbit/s links)")  # fmt: skip

@@ -53,7 +53,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--inject",
-        help="faults, e.g. 'kill:worker=2,round=5'; turns on run.fault_tolerance (run.inject)",
+        help="faults, e.g. 'kill:worker=2,round=5' (fault_tolerance.inject); turns on "
+        "fault_tolerance.enabled",
     )
 
 
@@ -79,5 +80,5 @@ def overrides(args: argparse.Namespace) -> list[str]:
         if value is not None:
             sets.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
     if getattr(args, "inject", None):
-        sets += ["run.fault_tolerance=true", f"run.inject={args.inject!r}"]
+        sets += ["fault_tolerance.enabled=true", f"fault_tolerance.inject={args.inject!r}"]
     return sets + list(args.set)

@@ -166,12 +166,13 @@ def under_torchrun() -> bool:
 
 def check_torchrun(cfg: Config) -> None:
     """Refuse what a run under torchrun cannot do, before any worker joins."""
-    if cfg.run.fault_tolerance:
+    if cfg.fault_tolerance.enabled:
         raise ConfigError(
-            "run.fault_tolerance = true: under torchrun a failed worker makes torchrun restart "
+            "fault_tolerance.enabled = true: under torchrun a failed worker makes torchrun restart "
             "every worker (torchrun --max-restarts N), and they resume from the newest "
             "checkpoint; the in-process fault-tolerant runtime needs the local launcher "
-            "(frugaltrain train --workers N); set run.fault_tolerance = false and run.inject = ''"
+            "(frugaltrain train --workers N); set fault_tolerance.enabled = false and "
+            "fault_tolerance.inject = ''"
         )
 
 
@@ -301,12 +302,13 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
 
 
 # What a resumed run may change: how long it runs and how it reports, not what it computes.
-RESUME_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "stop_at_round")
-RESUME_MAY_CHANGE += ("threads", "timeout_s", "mix1_deadline_s", "progress")
-RESUME_MAY_CHANGE += ("deadline_factor", "deadline_floor_s", "max_restarts")
-RESUME_MAY_CHANGE += ("tensorboard", "wandb")
+_RUN_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "stop_at_round")
+_RUN_MAY_CHANGE += ("threads", "timeout_s", "progress", "tensorboard", "wandb")
 # and how a replica is laid out: DCP reshards (docs/sharding.md)
-RESUME_MAY_CHANGE += ("shards", "activation_checkpointing")
+_RUN_MAY_CHANGE += ("shards", "activation_checkpointing")
+_FT_MAY_CHANGE = ("mix1_deadline_s", "deadline_factor", "deadline_floor_s", "max_restarts")
+RESUME_MAY_CHANGE = tuple(f"run.{k}" for k in _RUN_MAY_CHANGE)
+RESUME_MAY_CHANGE += tuple(f"fault_tolerance.{k}" for k in _FT_MAY_CHANGE)
 
 
 def _resumable(config_path: str | None, overrides: list[str], resume: str):
@@ -319,7 +321,7 @@ def _resumable(config_path: str | None, overrides: list[str], resume: str):
     raw = read_toml(saved)
     if config_path:  # allowed only for keys a resumed run may change
         given, kept = to_dict(load_config(config_path)), to_dict(build_config(Config, raw))
-        may_change = {f"run.{k}" for k in RESUME_MAY_CHANGE + ("name", "out_dir")}
+        may_change = {*RESUME_MAY_CHANGE, "run.name", "run.out_dir"}
         old = flat_items(kept)
         changed = [
             key
@@ -327,12 +329,14 @@ def _resumable(config_path: str | None, overrides: list[str], resume: str):
             if old[key] != value and key not in may_change
         ]
         if changed:
-            may = ", ".join(f"run.{k}" for k in RESUME_MAY_CHANGE)
+            may = ", ".join(RESUME_MAY_CHANGE)
             raise ConfigError(
                 f"--config {config_path} differs from {saved} in {', '.join(changed)}, which a "
                 f"resumed run keeps; drop --config, or change only {may}"
             )
-        raw["run"].update({k: v for k, v in given["run"].items() if k in RESUME_MAY_CHANGE})
+        for key in RESUME_MAY_CHANGE:
+            section, name = key.split(".")
+            raw.setdefault(section, {})[name] = given[section][name]
     # A resumed run goes to the end unless a new stop is asked for explicitly.
     cfg = build_config(Config, raw, ["run.stop_at_round=0", *overrides])
     ckpt = checkpoint.latest_intact(run_dir)

@@ -4,7 +4,7 @@ machine runs the same command with its own K; K = 0 on the machine at HOST.
 
     frugaltrain train --nodes 2 --node-rank 1 --rdzv 10.0.0.1:29400 --config my.toml
 
-runs, on that machine (run.workers = 8, run.max_restarts = 3, run.name = "my"):
+runs, on that machine (run.workers = 8, fault_tolerance.max_restarts = 3, run.name = "my"):
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc-per-node=4 \\
         --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --rdzv-id=frugaltrain-my \\
@@ -69,7 +69,10 @@ def torchrun_command(
     cmd += [f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
     cmd += [f"--rdzv-endpoint={rdzv}", f"--rdzv-id=frugaltrain-{cfg.run.name}"]
     # Machine 0 hosts the rendezvous store; said explicitly, not guessed from host names.
-    cmd += [f"--rdzv-conf=is_host={int(node_rank == 0)}", f"--max-restarts={cfg.run.max_restarts}"]
+    cmd += [
+        f"--rdzv-conf=is_host={int(node_rank == 0)}",
+        f"--max-restarts={cfg.fault_tolerance.max_restarts}",
+    ]
     return [*cmd, "-m", "frugaltrain", "train", *_without_node_flags(argv)]
 
 

@@ -9,12 +9,12 @@ the worker loop:
                        its shard group, FSDP2 over its replica group). A process that fails stops
                        the run: the others are stopped and the launcher says which.
     fault tolerance    ElasticRuntime (comm/ft/), one fault-tolerant world per shard index, with
-                       the injected faults of run.inject as a layer around it (comm/faults.py). A
-                       replica that loses a process (SIGKILL, a crash, or exit code 75 after the
-                       others declared it dead) is stopped whole and started again with the same
-                       arguments; it rejoins from a live peer replica, shard by shard; the other
-                       replicas never restart. A replica still stopped when every live one has
-                       finished is killed.
+                       the injected faults of fault_tolerance.inject as a layer around it
+                       (comm/faults.py). A replica that loses a process (SIGKILL, a crash,
+                       or exit code 75 after the others declared it dead) is stopped whole
+                       and started again with the same arguments; it rejoins from a live
+                       peer replica, shard by shard; the other replicas never restart. A
+                       replica still stopped when every live one has finished is killed.
 
 Ctrl-C stops every process it started.
 """
@@ -82,13 +82,13 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
             time.sleep(0.1)
             failed = _exited(procs, finished, ft_store, cfg, run_dir)
             for replica in sorted({rank // S for rank in failed}):
-                if restarts[replica] >= cfg.run.max_restarts:
+                if restarts[replica] >= cfg.fault_tolerance.max_restarts:
                     rank = min(r for r in failed if r // S == replica)
                     failure = failure_of(run_dir, rank, procs[rank].exitcode)
                     raise WorkerFailed(f"{failure} after {restarts[replica]} restarts")
                 restarts[replica] += 1
                 _restart(replica, failed, procs, start, restarts[replica], cfg)
-            if cfg.run.fault_tolerance:
+            if cfg.fault_tolerance.enabled:
                 _stop_stragglers_at_the_end(procs, finished, store, host, cfg)
     finally:
         for p in procs.values():
@@ -108,7 +108,7 @@ def _restart(replica: int, failed: list[int], procs: dict, start, count: int, cf
     again = "it" if S == 1 else f"its {S} processes"
     print(
         f"[launcher] {what} exited with code {procs[rank].exitcode}; restarting {again} "
-        f"(restart {count} of at most {cfg.run.max_restarts})",
+        f"(restart {count} of at most {cfg.fault_tolerance.max_restarts})",
         flush=True,
     )
     for r in ranks:
@@ -129,7 +129,7 @@ def _exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) 
             continue
         if p.exitcode == 0:
             finished.add(rank)
-        elif not cfg.run.fault_tolerance or p.exitcode == BAD_INPUT_EXIT:
+        elif not cfg.fault_tolerance.enabled or p.exitcode == BAD_INPUT_EXIT:
             raise failure_of(run_dir, rank, p.exitcode)
         elif store.check([keys.DONE]):
             finished.add(rank)  # died after training ended: nothing to rejoin
@@ -185,7 +185,7 @@ def _worker(rank: int, cfg_toml: str, run_dir: str, host: str, port: int, resume
     torch.set_num_threads(worker_threads(cfg))
     store = dist.TCPStore(host, port, is_master=False, timeout=_store_timeout(cfg))
     try:
-        if cfg.run.fault_tolerance:
+        if cfg.fault_tolerance.enabled:
             _elastic_worker(cfg, rank, store, run_dir, host, port, resume)
         else:
             _plain_worker(cfg, rank, store, run_dir, resume)
@@ -243,9 +243,12 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
         shards = shards_of(dist.group.WORLD, cfg.run.device)
     me = Identity(host, port, replica, cfg.run.workers, incarnation, ns)
     link = shards.link if shards else None
-    comm = ElasticComm(store, me, cfg.run, guard=guard_of(cfg.run), shard_link=link)
+    options, timeout_s = cfg.fault_tolerance, cfg.run.timeout_s
+    comm = ElasticComm(
+        store, me, options, timeout_s=timeout_s, guard=guard_of(cfg.run), shard_link=link
+    )
     runtime = ElasticRuntime(comm)
-    faults = _injector(cfg, replica, shard, incarnation) if cfg.run.inject else None
+    faults = _injector(cfg, replica, shard, incarnation) if cfg.fault_tolerance.inject else None
     resume_path = Path(resume) if resume and incarnation == 1 else None
     loop_runtime = FaultyRuntime(runtime, faults) if faults else runtime
     train_worker(cfg, loop_runtime, Path(run_dir), resume_path, shards)
@@ -264,5 +267,7 @@ def _injector(cfg: Config, replica: int, shard: int, incarnation: int):
     from frugaltrain.faults import Injector, parse
 
     process_faults = ("kill", "hang", "partition", "stall")
-    faults = [f for f in parse(cfg.run.inject) if shard == 0 or f.kind not in process_faults]
+    faults = [
+        f for f in parse(cfg.fault_tolerance.inject) if shard == 0 or f.kind not in process_faults
+    ]
     return Injector(faults, replica, cfg.outer.H, incarnation == 1, cfg.run.seed)

@@ -29,7 +29,8 @@ class ElasticComm(Comm):
     Args:
         store: the run's TCPStore (hosted by the launcher, not by a worker).
         me: who this process is and where the store listens (world.Identity).
-        options: the fault-tolerance settings (world.Options; RunSection has them).
+        options: the fault-tolerance settings (world.Options: config's [fault_tolerance]).
+        timeout_s: run.timeout_s, the longest any wait may last.
         guard: keeps bad contributions out (comm/guard.py). Mix1 on this runtime judges the
             messages that arrived by their norms and this worker's own; blocking operations
             share the norms of all members first, as on the other runtimes.
@@ -45,10 +46,11 @@ class ElasticComm(Comm):
         me: Identity,
         options: Options,
         *,
+        timeout_s: float,
         guard: Guard | None = None,
         shard_link: ShardLink | None = None,
     ) -> None:
-        self.world = World(store, me, options)  # first: `members` lives there
+        self.world = World(store, me, options, timeout_s)  # first: `members` lives there
         super().__init__(deterministic=False, guard=guard, shard_link=shard_link)
         self.rank, self.world_size = me.rank, me.world_size
         self.world.earlier = self.drain_rejections

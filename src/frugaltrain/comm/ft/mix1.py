@@ -2,10 +2,10 @@
 log's sequence, so a straggler never holds it up for long.
 
 Each message is tagged with the worker's Mix1 count (one per round, the same on every worker),
-and at the round end a worker waits at most run.mix1_deadline_s for the ones still missing. A
-late message is dropped (the row is renormalized over what arrived, as for a lost message); a
-peer that is late and whose heartbeat stopped, or whose socket broke, is reported and the
-members re-form at the round end. gloo's point-to-point works say they are done only through
+and at the round end a worker waits at most fault_tolerance.mix1_deadline_s for the ones still
+missing. A late message is dropped (the row is renormalized over what arrived, as for a lost
+message); a peer that is late and whose heartbeat stopped, or whose socket broke, is reported
+and the members re-form at the round end. gloo's point-to-point works say they are done only through
 `wait()`, and a wait that times out closes the pair, so each message is waited for on a
 background thread (`Arrival`) and the round end polls those.
 """

@@ -7,10 +7,10 @@ posts, numbered in the order posted, and how a failure is survived.
     wait    polls the operation; it fails on a gloo error (a killed peer closes its sockets),
             when a member's heartbeat has stopped for the heartbeat timeout (a hung, stopped or
             cut-off peer: seen within seconds, not at run.timeout_s), on the adaptive deadline
-            (run.deadline_factor x the p90 of recent round times, within [run.deadline_floor_s,
-            run.timeout_s]: a peer alive but stuck; the members that have not posted the
-            operation are cut out of the rendezvous), or when another worker has marked the
-            epoch broken in the store.
+            (fault_tolerance.deadline_factor x the p90 of recent round times, within
+            [fault_tolerance.deadline_floor_s, run.timeout_s]: a peer alive but stuck; the
+            members that have not posted the operation are cut out of the rendezvous), or when
+            another worker has marked the epoch broken in the store.
     recover mark the epoch broken (the first reason wins) and re-rendezvous (world.py); the
             survivors build the new group and re-post (`settle`), in order, every operation from
             the lowest one any of them still has pending, now over the live set: an all-reduce
@@ -165,8 +165,9 @@ class OpLog:
         self.round_ends = [*self.round_ends[-RECENT_ROUNDS:], time.monotonic()]
 
     def deadline(self) -> tuple[float, str]:
-        """How long a blocking wait may last, and why: run.deadline_factor x the 90th percentile
-        of the last 20 rounds' wall times, within [run.deadline_floor_s, run.timeout_s];
+        """How long a blocking wait may last, and why: fault_tolerance.deadline_factor x the 90th
+        percentile of the last 20 rounds' wall times, within [fault_tolerance.deadline_floor_s,
+        run.timeout_s];
         run.timeout_s until three rounds have been timed."""
         ends, opts, timeout_s = self.round_ends, self.world.options, self.world.timeout_s
         if len(ends) < 4:

@@ -28,9 +28,8 @@ EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launche
 
 
 class Options(Protocol):
-    """The fault-tolerance settings the runtime reads (RunSection has them)."""
+    """The fault-tolerance settings the runtime reads (config's [fault_tolerance] section)."""
 
-    timeout_s: float  # the longest any wait may last
     mix1_deadline_s: float  # the longest wait for missing Mix1 messages at a round end
     deadline_factor: float  # the adaptive deadline: this x the p90 of recent round times,
     deadline_floor_s: float  # but at least this
@@ -65,13 +64,13 @@ class World:
     """See the module docstring. `root` is the run's store (replica-wide decisions), `store` the
     world's (under its namespace)."""
 
-    def __init__(self, root: dist.Store, me: Identity, options: Options) -> None:
+    def __init__(self, root: dist.Store, me: Identity, options: Options, timeout_s: float) -> None:
         self.root = root
         self.store = dist.PrefixStore(me.namespace, root) if me.namespace else root
         self.me, self.options = me, options
         self.rank, self.world_size, self.incarnation = me.rank, me.world_size, me.incarnation
-        self.timeout_s = options.timeout_s
-        self.hb_timeout_s = heartbeat.timeout_of(options.timeout_s)
+        self.timeout_s = timeout_s  # run.timeout_s: the longest any wait may last
+        self.hb_timeout_s = heartbeat.timeout_of(timeout_s)
         self.epoch = -1
         self.members: list[int] = []
         self.pg = None
@@ -90,7 +89,7 @@ class World:
             me.rank,
             me.incarnation,
             me.world_size,
-            timeout_s=options.timeout_s,
+            timeout_s=timeout_s,
             hb_timeout_s=self.hb_timeout_s,
             namespace=me.namespace,
         )
