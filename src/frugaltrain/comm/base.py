@@ -260,7 +260,12 @@ class Comm:
         blocking: bool,
         feedback: ErrorFeedback | None = None,
     ) -> Handle:
-        """A validated, non-trivial mix: a complete `w` is an all-reduce, else `_mix`."""
+        """A validated, non-trivial mix: a complete `w` is an all-reduce, else `_mix`; a
+        non-blocking one may take a path of the runtime's own (`_mix_apart`)."""
+        if not blocking:
+            handle = self._mix_apart(tensors, w, codec, feedback)
+            if handle is not None:
+                return handle
         n = len(self.members)
         v = self._check(tensors, feedback)
         if np.allclose(w, 1.0 / n):
@@ -271,6 +276,13 @@ class Comm:
         if blocking:
             handle.wait()
         return handle
+
+    def _mix_apart(
+        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, feedback: ErrorFeedback | None
+    ) -> Handle | None:
+        """A non-blocking mix on a path of the runtime's own (the fault-tolerant runtime's Mix1
+        with a deadline); None: the common path."""
+        return None
 
     def _average(
         self,
@@ -366,11 +378,7 @@ class Comm:
         return own, parts
 
     def _mix(
-        self,
-        tensors: list[torch.Tensor],
-        w: np.ndarray,
-        codec: str,
-        feedback: ErrorFeedback | None = None,
+        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, feedback: ErrorFeedback | None
     ) -> Handle:
         me = self.position
         send_to, recv_from = topology.peers(w, me)

@@ -77,11 +77,7 @@ class ElasticComm(Comm):
         return Handle(self.stats, finish, lambda: self.oplog.completed(op))
 
     def _mix(
-        self,
-        tensors: list[torch.Tensor],
-        w: np.ndarray,
-        codec: str,
-        feedback: ErrorFeedback | None = None,
+        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, feedback: ErrorFeedback | None
     ) -> Handle:
         members, me = list(self.members), self.position
         # Gossip travels as a gather here (oplog.py): count what really moves.
@@ -109,19 +105,12 @@ class ElasticComm(Comm):
     def _metric_max(self, t: torch.Tensor) -> None:
         t.copy_(self.oplog.wait(self.oplog.post("max", [t]))[0])
 
-    def _start_mix(
-        self,
-        tensors: list[torch.Tensor],
-        w: np.ndarray,
-        codec: str,
-        blocking: bool,
-        feedback: ErrorFeedback | None = None,
+    def _mix_apart(
+        self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, feedback: ErrorFeedback | None
     ) -> Handle:
         """A blocking mix is a sequenced operation (above); a non-blocking one (Mix1) goes
         point to point with a deadline, so a straggler never holds it up for long. Mix1 sends
         parameters, always with a dense codec: it has no error feedback."""
-        if blocking:
-            return super()._start_mix(tensors, w, codec, blocking, feedback)
         if feedback is not None:
             raise ValueError("a non-blocking mix takes no error feedback (its codec is dense)")
         return self.mix1.start(tensors, w, codec, self.wire, self._judge_arrivals)
