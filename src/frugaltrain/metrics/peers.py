@@ -20,10 +20,11 @@ A list has one entry per worker, indexed by rank; a worker that posted nothing (
 member) has null there, never a zero. Times are on the record's `clock`.
 
 In the real runtime every worker knows only its own figures. They reach worker 0 through the
-round's one mean of logging scalars (Comm.metric_mean_async): worker r posts its figure at
-position r and 0 elsewhere, and a 1 at position r of a presence vector, so figure_r =
-mean_r / presence_r however many workers posted. The vector must line up on every worker, so
-its operation names come from the config alone (`blocking_ops`), not from what a worker saw.
+round's one mean of logging scalars (the runtime's round end, comm/runtime.py): worker r posts
+its figure at position r and 0 elsewhere, and a 1 at position r of a presence vector, so
+figure_r = mean_r / presence_r however many workers posted. The vector must line up on every
+worker, so its operation names come from the config alone (`blocking_ops`), not from what a
+worker saw.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def peer_fields(peers: dict[str, list], by_op: dict[str, float]) -> dict:
 
 
 def count_events(records: list[dict]) -> dict[str, int]:
-    """comm/rejected and comm/membership_changes of event records (comm.drain_events)."""
+    """comm/rejected and comm/membership_changes of event records (those a runtime hands the
+    loop at a round end)."""
     rejected = sum(len(r.get("workers", [])) for r in records if r.get("kind") == "rejected")
     changes = sum(1 for r in records if r.get("kind") == "membership")
     return {"comm/rejected": rejected, "comm/membership_changes": changes}
