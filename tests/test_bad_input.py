@@ -225,11 +225,6 @@ TRAIN = [
         ["--shards", "2", "--outer", "ddp"],
         "outer.strategy = 'ddp': ddp averages gradients every step",
     ),
-    (
-        "inject-needs-ft",
-        ["--set", "fault_tolerance.inject='drop:p=0.1'"],
-        "set fault_tolerance.enabled = true",
-    ),
     ("inject-kind", ["--inject", "explode:worker=1"], "unknown fault 'explode'"),
     ("inject-worker", ["--inject", "kill:worker=9,round=1"], "kill names worker 9"),
     ("inject-round", ["--inject", "kill:worker=0,round=99"], "fires in round 99 but the run"),

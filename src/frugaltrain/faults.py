@@ -49,6 +49,7 @@ _KEYS["stall"] = {"worker", "round", "seconds"}
 _KEYS["corrupt"] = {"worker", "round", "value"}
 _ONCE = ("kill", "hang", "partition", "stall", "corrupt")  # faults that fire once, in one round
 CORRUPTIONS = ("nan", "inf", "1e30", "bitflip")
+WIRE_FAULTS = ("corrupt", "drop")  # act on what travels, not on a process: any runtime has them
 
 
 @dataclass(frozen=True)

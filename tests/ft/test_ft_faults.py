@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from ft_records import members_per_round, membership
 
-from frugaltrain.config import ConfigError
 from frugaltrain.faults import Injector, parse
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import launch
@@ -255,8 +254,3 @@ def test_ft_inject_specs():
     for bad in bad_specs:
         with pytest.raises(ValueError, match="fault_tolerance.inject"):
             parse(bad)
-
-
-def test_ft_inject_needs_fault_tolerance(make_config):
-    with pytest.raises(ConfigError, match="fault_tolerance.enabled"):
-        make_config("fault_tolerance.inject='drop:p=0.1'")

@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from frugaltrain.comm.faults import FaultyWire
+from frugaltrain.config import ConfigError
+from frugaltrain.faults import Injector, parse
 from frugaltrain.sim import SimComm, SimSection, SimWorld, simulate
 from frugaltrain.sim.network import Network
 
@@ -151,3 +154,51 @@ def test_allreduce_failure_policies(make_config, policy):
         assert faulty.summary["comm/bytes_sent_per_worker"] == per_op * attempts
     else:
         assert faulty.summary["faults"]["rollbacks"] > 0 and not same
+
+
+def test_injected_drops_take_the_injectors_decisions_and_renormalize_the_row():
+    """fault_tolerance.inject's drop acts through the same wire as on the real runtimes: a
+    message is lost exactly when Injector.dropped says so, and the row is renormalized over the
+    messages taken (rows with no loss keep their weights bit for bit)."""
+    n, seed = 6, 5
+    world, comms = _world(n)
+    injectors = [Injector(parse("drop:p=0.4"), i, 4, True, seed) for i in range(n)]
+    for i, comm in enumerate(comms):
+        comm.wire = FaultyWire(injectors[i], i, lambda: 0)
+    xs = [torch.full((3,), float(10**j), dtype=torch.float64) for j in range(n)]
+
+    def mix(i):
+        t = [xs[i].clone()]
+        comms[i].mix_(t, _ring(n))
+        return t[0][0].item()
+
+    got = _in_threads(n, mix)
+    lost = 0
+    for i in range(n):
+        neighbours = [(i - 1) % n, (i + 1) % n]
+        kept = [i] + [j for j in neighbours if not injectors[i].dropped(0, 0, j, i)]
+        lost += 3 - len(kept)
+        want = sum(10.0**j for j in kept) / len(kept)
+        assert got[i] == pytest.approx(want, rel=1e-6), (i, kept)
+    assert lost == sum(w.dropped for w in (c.wire for c in comms)) > 0
+
+
+def test_simulated_corruption_is_rejected_in_its_round(make_config, tmp_path):
+    """A corrupt worker in the simulator: the guard leaves it out in the round it sent garbage,
+    and every worker ends finite."""
+    cfg = make_config(
+        "run.workers=3",
+        "outer.H=4",
+        "run.steps=16",
+        "fault_tolerance.inject='corrupt:worker=1,round=2,value=nan'",
+    )
+    result = simulate(cfg, SimSection(), tmp_path / "sim")
+    rejected = [r["comm/rejected"] for r in result.records]
+    assert rejected == [0, 1, 0, 0], rejected
+    assert all(torch.isfinite(p).all() for m in result.models for p in m.parameters())
+
+
+def test_simulator_refuses_a_step_fault(make_config):
+    cfg = make_config("run.workers=2", "fault_tolerance.inject='kill:worker=1,round=1'")
+    with pytest.raises(ConfigError, match="fault_tolerance.inject = .*sim.crash_worker"):
+        SimSection().check_against(cfg)

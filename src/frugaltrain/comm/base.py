@@ -394,15 +394,18 @@ class Comm:
             )
 
         def finish() -> None:
-            received = fetch.wait_all()  # rank -> encoded parts
+            received, rank = fetch.wait_all(), self.rank  # received: rank -> encoded parts
             order = [
                 j for j in range(len(self.members)) if j in recv_from or (j == me and w[me, me])
             ]
+            taken = [j for j in order if j == me or self.wire.received(seq, self.members[j], rank)]
             flats = [
                 own if j == me else compress.decode(received[self.members[j]], codec, own.numel())
-                for j in order
+                for j in taken
             ]
-            finish_mix([w[me, j] for j in order], flats, tensors)
+            # A lost message leaves its row short: renormalized over what was taken.
+            lost = len(taken) < len(order)
+            finish_mix([w[me, j] for j in taken], flats, tensors, renormalize=lost)
 
         return Handle(self.stats, finish, fetch.is_completed)
 

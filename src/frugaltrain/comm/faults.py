@@ -1,5 +1,6 @@
-"""Fault injection on the fault-tolerant runtime, as a layer around it (frugaltrain/faults.py
-parses `fault_tolerance.inject` and decides when each fault is due; this makes it happen).
+"""Fault injection as a layer around any runtime: the plain one, the fault-tolerant one and the
+simulator's comms inject the same faults the same way (frugaltrain/faults.py parses
+`fault_tolerance.inject` and decides when each fault is due; this makes it happen).
 
     FaultyWire      the comm's wire (comm/base.py `Wire`): what this worker sends in a corrupt
                     round is garbage, and each gossip message it receives may be lost (the same
@@ -8,9 +9,11 @@ parses `fault_tolerance.inject` and decides when each fault is due; this makes i
                     and a kill, hang, partition or stall happens when it is due; a kill at
                     recovery fires as this worker starts recovering.
 
-The supervisor puts the layer on (train/supervisor.py); the runtime itself holds no fault
-logic, only what a fault needs to act like a real one (ElasticRuntime.silence, stop_heartbeat,
-at_recovery).
+The launcher puts the layer on (train/supervisor.py; the simulator puts FaultyWire on its
+virtual workers' comms, sim/engine.py); a runtime holds no fault logic, only what a fault needs
+to act like a real one (Runtime.silence, stop_heartbeat, at_recovery: the fault-tolerant
+runtime's stop its heartbeat and rendezvous keep-alive; the plain runtime has neither, so there
+a silent worker is only late, and a killed one ends the run).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch
 
 from frugaltrain.comm.base import Wire
 from frugaltrain.comm.ft import heartbeat
-from frugaltrain.comm.ft.runtime import ElasticRuntime
 from frugaltrain.comm.runtime import Means, RoundEnd, Runtime, StateFn
 from frugaltrain.faults import Injector, corrupt_, fire
 
@@ -52,7 +54,7 @@ class FaultyWire(Wire):
 class FaultyRuntime(Runtime):
     """`runtime` with `injector`'s faults; everything else is the runtime's own."""
 
-    def __init__(self, runtime: ElasticRuntime, injector: Injector) -> None:
+    def __init__(self, runtime: Runtime, injector: Injector) -> None:
         super().__init__(runtime.comm)
         self.runtime, self.injector = runtime, injector
         self.rank = runtime.comm.rank

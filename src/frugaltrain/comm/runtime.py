@@ -55,6 +55,12 @@ class Runtime:
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
+        self._round = 0
+
+    @property
+    def round(self) -> int:
+        """The last finished round."""
+        return self._round
 
     # ---- reductions for logging and diagnostics (not algorithm traffic)
     def metric_mean(self, values: list[float]) -> list[float]:
@@ -112,6 +118,7 @@ class Runtime:
         self, round_idx: int, scalars: list[float], close: Callable[[RoundEnd], StateFn]
     ) -> list[dict]:
         """The round end (module docstring); returns the events of the admission."""
+        self._round = round_idx
         fields = self._round_fields()
         events = self._drain_events()
         state_fn = close(RoundEnd(fields, events, self.metric_mean_async(scalars)))
@@ -126,6 +133,17 @@ class Runtime:
         """Whether this worker writes the COMPLETE marker of a checkpoint: one per machine (its
         workers' files are there, so a machine without a shared file system can resume)."""
         return local_rank == 0
+
+    # ---- what a fault needs to act like a real one (comm/faults.py). A plain runtime has no
+    # heartbeat and never recovers: a silent worker is only late, as in a stall.
+    def silence(self, on: bool) -> None:
+        """While `on`, this worker is cut off as behind a partition."""
+
+    def stop_heartbeat(self) -> None:
+        """This worker's heartbeat stops (it hangs)."""
+
+    def at_recovery(self, hook: Callable[[], None]) -> None:
+        """Call `hook` whenever this worker starts recovering from a failure."""
 
     # ---- what the fault-tolerant runtime overrides
     def _round_fields(self) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import frugaltrain.faults as faults
 from frugaltrain.config import Config, Section, build_config, load, require
 
 DEFAULT_LINK_J_PER_BYTE = 5e-9
@@ -164,6 +165,15 @@ class SimSection(Section):
             cfg.run.shards,
             "the simulator runs each worker as one unsharded replica (sharding changes the "
             "per-process bytes, not the algorithm); set run.shards = 1",
+        )
+        acts = [f.kind for f in faults.parse(cfg.fault_tolerance.inject)]
+        require(
+            set(acts) <= set(faults.WIRE_FAULTS),
+            "fault_tolerance.inject",
+            cfg.fault_tolerance.inject,
+            "the simulator injects what travels between workers (corrupt, drop); for a crash "
+            "set sim.crash_worker and sim.crash_round, for a straggler sim.straggler_worker and "
+            "sim.straggler_slowdown",
         )
 
 

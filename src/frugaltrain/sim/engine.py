@@ -41,11 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from frugaltrain.comm.faults import FaultyWire
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import Config, to_dict, to_toml
 from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import open_meter
+from frugaltrain.faults import Injector, parse
 from frugaltrain.metrics.consensus import GROUPS, averaged_model, spread, squared_distance
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.metrics.peers import blocking_ops, count_events, sim_fields
@@ -117,6 +119,9 @@ class _Sim:
             model.train()
             inner = build_inner_optimizer(model, cfg.optim)
             comm = SimComm(self.world, i, guard_of(r))
+            if cfg.fault_tolerance.inject:  # corrupt and drop only (SimSection.check_against)
+                injector = Injector(parse(cfg.fault_tolerance.inject), i, cfg.outer.H, True, r.seed)
+                comm.wire = FaultyWire(injector, i, lambda: self.round)
             shard = shard_tokens(corpus.train, i, M, d.num_shards, d.sharding)
             self.workers.append(
                 _Worker(

@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.comm import rendezvous
+from frugaltrain.comm.faults import FaultyRuntime
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
+from frugaltrain.comm.runtime import Runtime
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
@@ -199,7 +201,11 @@ def _plain_worker(cfg: Config, rank: int, store, run_dir: str, resume: str | Non
     dist.init_process_group(backend(cfg), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         comm, shards = plain_comm(cfg, rank)
-        train_worker(cfg, comm, Path(run_dir), Path(resume) if resume else None, shards)
+        runtime = Runtime(comm)
+        if cfg.fault_tolerance.inject:  # the same layer as under fault tolerance, no restarts
+            replica, shard = divmod(rank, cfg.run.shards)
+            runtime = FaultyRuntime(runtime, _injector(cfg, replica, shard, incarnation=1))
+        train_worker(cfg, runtime, Path(run_dir), Path(resume) if resume else None, shards)
     finally:
         dist.destroy_process_group()
 
@@ -224,7 +230,6 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
     With shards, process `rank` is shard s of replica r: its replica's processes form the
     default group (FSDP2), fresh at every start of the replica, and its ElasticComm is shard
     group s's."""
-    from frugaltrain.comm.faults import FaultyRuntime
     from frugaltrain.comm.ft.comm import ElasticComm
     from frugaltrain.comm.ft.runtime import ElasticRuntime
     from frugaltrain.comm.ft.world import Identity
