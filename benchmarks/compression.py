@@ -82,28 +82,50 @@ def _ms(xs: list[float], fmt: str) -> str:
     return f"{statistics.mean(xs):{fmt}} ± {sd:{fmt}}"
 
 
-def table(rows: list[dict], methods: list[str], codecs: list[str]) -> str:
+def cells(rows: list[dict], methods: list[str], codecs: list[str]) -> list[dict]:
+    """One line per method x codec over the seeds in `rows`: MB per round, how many times fewer
+    bytes than fp32 DiLoCo, val loss and its ratio to fp32 DiLoCo paired by seed (each as
+    values over seeds), util. Empty without an fp32 DiLoCo run to compare with."""
     ref = {r["seed"]: r for r in rows if r["method"] == "diloco" and r["codec"] == "fp32"}
     if not ref:
-        return "(no fp32 DiLoCo run to compare with: add diloco and fp32 to --methods/--codecs)"
+        return []
     ref_bytes = statistics.mean(r["bytes_per_round"] for r in ref.values())
-    head = f"{'method':<17}{'codec':<16}{'MB/round':>10}{'x fewer':>9}"
-    head += f"{'val loss':>18}{'x DiLoCo fp32':>17}{'util':>7}"
-    lines = [head, "-" * len(head)]
+    out = []
     for m in methods:
         for c in codecs:
             got = [r for r in rows if r["method"] == m and r["codec"] == c]
             if not got:
                 continue
             nbytes = statistics.mean(g["bytes_per_round"] for g in got)
-            ratio = [g["loss_val"] / ref[g["seed"]]["loss_val"] for g in got if g["seed"] in ref]
-            util = statistics.mean(g["util_measured"] for g in got)
-            lines.append(
-                f"{m:<17}{c:<16}{nbytes / 1e6:>10.4f}{ref_bytes / nbytes:>9.1f}"
-                f"{_ms([g['loss_val'] for g in got], '.4f'):>18}{_ms(ratio, '.4f'):>17}"
-                f"{util:>7.3f}"
+            out.append(
+                {
+                    "method": m,
+                    "codec": c,
+                    "mb": nbytes / 1e6,
+                    "fewer": ref_bytes / nbytes,
+                    "loss": [g["loss_val"] for g in got],
+                    "ratio": [
+                        g["loss_val"] / ref[g["seed"]]["loss_val"] for g in got if g["seed"] in ref
+                    ],
+                    "util": statistics.mean(g["util_measured"] for g in got),
+                }
             )
-    return "\n".join(lines)
+    return out
+
+
+def table(rows: list[dict], methods: list[str], codecs: list[str]) -> str:
+    lines = cells(rows, methods, codecs)
+    if not lines:
+        return "(no fp32 DiLoCo run to compare with: add diloco and fp32 to --methods/--codecs)"
+    head = f"{'method':<17}{'codec':<16}{'MB/round':>10}{'x fewer':>9}"
+    head += f"{'val loss':>18}{'x DiLoCo fp32':>17}{'util':>7}"
+    out = [head, "-" * len(head)]
+    for x in lines:
+        out.append(
+            f"{x['method']:<17}{x['codec']:<16}{x['mb']:>10.4f}{x['fewer']:>9.1f}"
+            f"{_ms(x['loss'], '.4f'):>18}{_ms(x['ratio'], '.4f'):>17}{x['util']:>7.3f}"
+        )
+    return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

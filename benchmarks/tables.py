@@ -1,0 +1,124 @@
+"""The results tables of the docs, regenerated from committed result files.
+
+Each table sits in its Markdown between two markers,
+
+    <!-- table NAME: python benchmarks/tables.py -->
+    ...
+    <!-- /table NAME -->
+
+and is written here from the result files its entry in TABLES names; nothing between the
+markers is typed by hand. `python benchmarks/tables.py` rewrites every table; `--check` rewrites
+nothing and exits 1 naming each table whose doc differs (tests/test_tables.py runs it, so a
+number edited by hand, or a result file changed without its doc, fails the tests).
+
+    python benchmarks/tables.py            # rewrite the tables in README.md and docs/
+    python benchmarks/tables.py --check    # compare only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
+
+
+@dataclass(frozen=True)
+class Table:
+    doc: str  # Markdown file, relative to the repository root
+    files: tuple[str, ...]  # result files under benchmarks/results/
+    render: Callable[[list[dict]], str]  # the files' JSON -> the table's Markdown
+
+
+def _mb(x: float) -> str:
+    """Megabytes to three decimals, or three significant digits below one."""
+    return f"{x:.3f}" if x >= 1 else f"{x:#.3g}"
+
+
+def _ms(xs: list[float]) -> str:
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.mean(xs):.4f} ± {sd:.4f}"
+
+
+def compression(files: list[dict]) -> str:
+    """Bytes per round against loss, every codec, DiLoCo and GlobalM1LocalM2 (three seeds)."""
+    rows = [r for f in files for r in f["runs"]]
+    names = {"diloco": "DiLoCo"}
+    lines = [
+        "| method | codec | MB/round per worker | x fewer than fp32 DiLoCo | val loss "
+        "| x DiLoCo fp32 | util at 100 Mbit/s (simulated) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for x in cells(rows, ["diloco", "GlobalM1LocalM2"], CODECS.split(",")):
+        lines.append(
+            f"| {names.get(x['method'], x['method'])} | {x['codec']} | {_mb(x['mb'])} "
+            f"| {x['fewer']:.1f} | {_ms(x['loss'])} | {_ms(x['ratio'])} | {x['util']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+TABLES = {
+    "compression-h10": Table(
+        "docs/results/compression.md",
+        ("compression_h10_s0.json", "compression_h10_s12.json"),
+        compression,
+    ),
+}
+
+
+def _span(name: str) -> re.Pattern:
+    return re.compile(
+        rf"(<!-- table {re.escape(name)}: python benchmarks/tables.py -->\n)(.*?)"
+        rf"(<!-- /table {re.escape(name)} -->)",
+        re.S,
+    )
+
+
+def regenerate(text: str, name: str, table: Table, results: Path = RESULTS) -> str:
+    """`text` with table `name` written anew between its markers (ValueError without them)."""
+    span = _span(name)
+    if not span.search(text):
+        raise ValueError(f"{table.doc}: no markers for table {name!r}; add them around it")
+    files = [json.loads((results / f).read_text()) for f in table.files]
+    body = table.render(files) + "\n"
+    return span.sub(lambda m: m.group(1) + body + m.group(3), text)
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """The tables whose doc under `root` differs from what their result files give."""
+    out = []
+    for name, table in TABLES.items():
+        text = (root / table.doc).read_text()
+        if regenerate(text, name, table) != text:
+            out.append(f"{table.doc}: table {name}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare only; exit 1 if any differs")
+    args = ap.parse_args(argv)
+    if args.check:
+        differ = stale()
+        for line in differ:
+            print(f"{line} differs from its result files; run python benchmarks/tables.py")
+        return 1 if differ else 0
+    for name, table in TABLES.items():
+        path = ROOT / table.doc
+        path.write_text(regenerate(path.read_text(), name, table))
+        print(f"wrote {table.doc}: table {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
