@@ -67,11 +67,70 @@ def compression(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _by_cell(files: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
+    """(method, codec) -> seed -> run, over every run of `files`, in their order."""
+    out: dict[tuple[str, str], dict[int, dict]] = {}
+    for f in files:
+        for r in f["runs"]:
+            out.setdefault((r["method"], r["codec"]), {})[r["seed"]] = r
+    return out
+
+
+def compression_real(files: list[dict]) -> str:
+    """Real processes against the simulator, cell by cell and seed by seed: the first two files
+    are the real runs, the last two the simulated ones of the same cells."""
+    real, sim = _by_cell(files[:2]), _by_cell(files[2:])
+    lines = [
+        "| method | codec | MB/round per worker | val loss, real processes (seeds 0 / 1 / 2) "
+        "| val loss, simulator |",
+        "|---|---|---|---|---|",
+    ]
+    for (method, codec), seeds in real.items():
+        order = sorted(seeds)
+        losses = " / ".join(f"{seeds[k]['loss_val']:.4f}" for k in order)
+        simulated = " / ".join(f"{sim[method, codec][k]['loss_val']:.4f}" for k in order)
+        mb = _mb(statistics.mean(r["bytes_per_round"] for r in seeds.values()) / 1e6)
+        name = {"diloco": "DiLoCo"}.get(method, method)
+        lines.append(f"| {name} | {codec} | {mb} | {losses} | {simulated} |")
+    return "\n".join(lines)
+
+
+def compression_long(files: list[dict]) -> str:
+    """DiLoCo's codecs at 2000 steps (first two files) beside the 500-step ratio (the last two,
+    paired by seed 0)."""
+    long, short = _by_cell(files[:2]), _by_cell(files[2:])
+    ref_long, ref_short = long["diloco", "fp32"][0], short["diloco", "fp32"][0]
+    lines = [
+        "| codec | val loss at 2000 steps | x DiLoCo fp32 | at 500 steps (table above) |",
+        "|---|---|---|---|",
+    ]
+    for codec in ("fp32", "topk:0.1+2bit", "topk:0.01+2bit"):
+        got, was = long["diloco", codec][0], short["diloco", codec][0]
+        ratio, before = (
+            got["loss_val"] / ref_long["loss_val"],
+            was["loss_val"] / ref_short["loss_val"],
+        )
+        lines.append(f"| {codec} | {got['loss_val']:.4f} | {ratio:.4f} | {before:.4f} |")
+    return "\n".join(lines)
+
+
 TABLES = {
     "compression-h10": Table(
         "docs/results/compression.md",
         ("compression_h10_s0.json", "compression_h10_s12.json"),
         compression,
+    ),
+    "compression-long": Table(
+        "docs/results/compression.md",
+        ("compression_h10_2000steps.json", "compression_h10_2000steps_topk01.json")
+        + ("compression_h10_s0.json", "compression_h10_s12.json"),
+        compression_long,
+    ),
+    "compression-real": Table(
+        "docs/results/compression.md",
+        ("compression_h10_real_s0.json", "compression_h10_real_s12.json")
+        + ("compression_h10_s0.json", "compression_h10_s12.json"),
+        compression_real,
     ),
 }
 
