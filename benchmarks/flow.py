@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
+from provenance import machine_info
 
 from frugaltrain.config import ConfigError, build_config
 from frugaltrain.flow.alloc import even_split, profile, solve_milp
@@ -127,38 +126,6 @@ def _variants(slots: int, ablations: bool) -> dict[str, list[str]]:
         variants["flow_no_pool"] = ["run.mode='flow'", f"pool.slots={slots}"]
         variants["flow_fifo"] = ["run.mode='flow'", "sched.policy='fifo'"]
     return variants
-
-
-def machine_info(note: str = "") -> dict:
-    """What the run measured on, read from the machine (and the user's note, if any)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "measured.loadavg_1min_at_start": os.getloadavg()[0],
-    }
-    if note:
-        info["note"] = note
-    return info
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 # ------------------------------------------------------------------- benchmark

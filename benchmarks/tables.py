@@ -31,6 +31,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
+from link_probe import table as link_probe_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ def compression_long(files: list[dict]) -> str:
 
 
 TABLES = {
+    "link-probe": Table(
+        "docs/results/netlab.md", ("link_probe.json",), lambda files: link_probe_table(files[0])
+    ),
     "compression-h10": Table(
         "docs/results/compression.md",
         ("compression_h10_s0.json", "compression_h10_s12.json"),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo_pool import free_port
 
-from frugaltrain.comm import compress, topology
+from frugaltrain.comm import compress, topology, torchdist
 from frugaltrain.comm.base import weighted_sum
 from frugaltrain.comm.torchdist import TorchDistComm
 
@@ -167,3 +167,41 @@ def test_gossip_on_gloo_matches_w_times_x():
             else:
                 send_to, recv_from = topology.peers(w, r)
                 assert (sent, received) == (payload * len(send_to), payload * len(recv_from))
+
+
+def test_exchange_posts_every_receive_before_any_send(monkeypatch):
+    """gloo's TCP pair sends its messages in order on one socket and announces a posted receive
+    with a message: a receive posted after a send that is already streaming is announced only
+    when the whole payload has gone, and the peer's payload waits for it (half the link rate in
+    a pair exchange). So every receive is posted first."""
+    calls = []
+
+    class Done:
+        def wait(self):
+            pass
+
+        def is_completed(self):
+            return True
+
+    def irecv(buf, *, group, tag, group_src):
+        calls.append(("recv", group_src, tag))
+        return Done()
+
+    def isend(t, *, group, tag, group_dst):
+        calls.append(("send", group_dst, tag))
+        return Done()
+
+    monkeypatch.setattr(torchdist.dist, "irecv", irecv)
+    monkeypatch.setattr(torchdist.dist, "isend", isend)
+    comm = TorchDistComm.__new__(TorchDistComm)  # no process group: only the posting order
+    comm.group = None
+    parts = [torch.zeros(4), torch.zeros(2)]
+    got = comm._exchange(parts, send_to=[1, 3], recv_from=[3, 1], seq=5).wait_all()
+    assert [c[0] for c in calls] == ["recv"] * 4 + ["send"] * 4
+    assert {(p, t) for k, p, t in calls if k == "recv"} == {
+        (p, 20 + k) for p in (1, 3) for k in (0, 1)
+    }
+    assert {(p, t) for k, p, t in calls if k == "send"} == {
+        (p, 20 + k) for p in (1, 3) for k in (0, 1)
+    }
+    assert sorted(got) == [1, 3] and [b.shape for b in got[1]] == [p.shape for p in parts]

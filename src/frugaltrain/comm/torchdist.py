@@ -72,15 +72,21 @@ class TorchDistComm(Comm):
         self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int
     ) -> Exchange:
         tag = (seq % (1 << 20)) * _PARTS
-        works = []
+        # Receives first. gloo's TCP pair writes its messages in order on one socket, and a
+        # receive is announced to the sender by a message: posted after a send that is already
+        # streaming, the announcement waits behind the whole payload and the peer's payload
+        # cannot start until it arrives, so the two directions run one after the other.
+        received = {peer: [torch.empty_like(p) for p in parts] for peer in recv_from}
+        works = [
+            dist.irecv(buf, group=self.group, tag=tag + k, group_src=peer)
+            for peer in recv_from
+            for k, buf in enumerate(received[peer])
+        ]
         for peer in send_to:
             for k, p in enumerate(parts):
-                send = p.contiguous()
-                works.append(dist.isend(send, group=self.group, tag=tag + k, group_dst=peer))
-        received = {peer: [torch.empty_like(p) for p in parts] for peer in recv_from}
-        for peer in recv_from:
-            for k, buf in enumerate(received[peer]):
-                works.append(dist.irecv(buf, group=self.group, tag=tag + k, group_src=peer))
+                works.append(
+                    dist.isend(p.contiguous(), group=self.group, tag=tag + k, group_dst=peer)
+                )
 
         def wait_all() -> dict[int, list[torch.Tensor]]:
             for w in works:

@@ -1,8 +1,10 @@
 """`frugaltrain netlab ...`: training over real rate-limited links between network namespaces.
 
     frugaltrain netlab check --rate-mbit 50             # shape a 2-namespace link, measure it
+    frugaltrain netlab probe --rate-mbit 28 --workers 4  # gloo all-reduce and pair exchange times
     frugaltrain netlab run --rate-mbit 50 --workers 4 --outer diloco -H 20 --steps 200
                                                         # any `frugaltrain train` flags follow
+    frugaltrain netlab run --rate-mbit 28 --cpu-share 0.4 ...  # each worker held to 0.4 cores
     frugaltrain netlab cleanup                          # delete leftover ftl-* namespaces
 
 Needs root (namespaces, tc); without it every verb prints why and exits with status 2.
@@ -32,8 +34,17 @@ def main(argv: list[str]) -> int:
     p = sub.add_parser("check", help="measure a shaped link between two namespaces")
     p.add_argument("--rate-mbit", type=float, default=50.0, help="link limit, Mbit/s")
     p.add_argument("--mbytes", type=float, default=8.0, help="bytes to send, MB")
+    p = sub.add_parser("probe", help="time gloo's all-reduce and pair exchange on shaped links")
+    p.add_argument("--rate-mbit", type=float, default=28.0, help="each worker's link, Mbit/s")
+    p.add_argument("--workers", type=int, default=4, help="namespaces (even: pairs exchange)")
+    p.add_argument("--mbytes", type=float, default=1.870336, help="message size S, MB")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median kept)")
+    p.add_argument("--out", default=None, help="also write the JSON here")
     p = sub.add_parser("run", help="train with each worker in its own namespace")
     p.add_argument("--rate-mbit", type=float, required=True, help="each worker's link, Mbit/s")
+    p.add_argument(
+        "--cpu-share", type=float, default=0.0, help="cores per worker (a cgroup quota; 0: none)"
+    )
     sub.add_parser("cleanup", help="delete namespaces a crashed netlab left behind")
     args, rest = parser.parse_known_args(argv)
     if rest and args.verb != "run":
@@ -49,13 +60,15 @@ def main(argv: list[str]) -> int:
         gone = cleanup()
         print(f"deleted {len(gone)} namespace(s): {' '.join(gone) or '-'}")
         return 0
-    from frugaltrain.netlab.run import measure_rate_mbit, train
+    from frugaltrain.netlab.run import measure_rate_mbit, probe, train
 
     if args.verb == "check":
         with NetLab(2, args.rate_mbit) as lab:
             got = measure_rate_mbit(lab, 0, 1, int(args.mbytes * 1e6))
         print(f"limit {args.rate_mbit:g} Mbit/s, measured {got:.2f} Mbit/s TCP goodput")
         return 0
+    if args.verb == "probe":
+        return _probe(args, probe, NetLab)
     try:
         from frugaltrain.metrics.report import report
         from frugaltrain.train.launch import prepare
@@ -67,10 +80,39 @@ def main(argv: list[str]) -> int:
         (run_dir / "config.toml").write_text(to_toml(cfg))
         print(f"run dir: {run_dir} ({cfg.outer.strategy}, {cfg.run.workers} workers, "
               f"{args.rate_mbit:g} Mbit/s links)")  # fmt: skip
-        with NetLab(cfg.run.workers, args.rate_mbit) as lab:
+        shares = [args.cpu_share] * cfg.run.workers if args.cpu_share else None
+        with NetLab(cfg.run.workers, args.rate_mbit, cpu_shares=shares) as lab:
             train(lab, run_dir / "config.toml", run_dir)
     except ConfigError as e:
         print(f"frugaltrain: error: {e}", file=sys.stderr)
         return 2
     report(run_dir)
+    return 0
+
+
+def _probe(args, probe, NetLab) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    if args.workers < 2 or args.workers % 2:
+        print("frugaltrain netlab probe: --workers must be even and at least 2", file=sys.stderr)
+        return 2
+    nbytes = int(args.mbytes * 1e6) // 4 * 4
+    with tempfile.TemporaryDirectory() as tmp, NetLab(args.workers, args.rate_mbit) as lab:
+        got = probe(lab, nbytes, args.repeats, Path(tmp) / "probe.json")
+    got["rate_mbit"] = args.rate_mbit
+    shaped = args.rate_mbit * 1e6
+    print(f"{args.workers} workers, {args.rate_mbit:g} Mbit/s links, S = {nbytes} bytes, "
+          f"median of {args.repeats} (measured, slowest worker)")  # fmt: skip
+    for name, s_key, bps_key in (
+        ("ring all-reduce", "allreduce_s_measured", "allreduce_effective_bps"),
+        ("pair exchange (runtime)", "pair_exchange_s_measured", "pair_effective_bps"),
+        ("pair exchange, sends first", "pair_exchange_send_first_s_measured",
+         "pair_send_first_effective_bps"),
+    ):  # fmt: skip
+        bps = got[bps_key]
+        print(f"  {name:28s} {got[s_key]:7.3f} s  {bps / 1e6:6.2f} Mbit/s  {bps / shaped:5.1%}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(got, indent=1) + "\n")
     return 0

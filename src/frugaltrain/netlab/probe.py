@@ -1,6 +1,8 @@
 """Measure what a netlab link really delivers to gloo: the time of a ring all-reduce and of a pair
-exchange of S bytes between the workers, with nothing else running. Started in every namespace
-like a netlab worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set):
+exchange of S bytes between the workers, with nothing else running. The pair exchange is the
+runtime's own (`TorchDistComm._exchange`, receives posted first); the same exchange with the sends
+posted first, as plain gloo code usually writes it, is timed beside it for comparison. Started in
+every namespace like a netlab worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set):
 
     python -m frugaltrain.netlab.probe BYTES REPEATS OUT_JSON      (worker 0 writes OUT_JSON)
 """
@@ -16,30 +18,43 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from frugaltrain.comm.torchdist import TorchDistComm
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of `fn` after a first call that opens the connections (not counted)."""
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
 
 def main(nbytes: int, repeats: int, out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, n = dist.get_rank(), dist.get_world_size()
     x = torch.ones(nbytes // 4)
-    ar, pair = [], []
-    for _ in range(repeats + 1):  # the first one opens the connections: not counted
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        ar.append(time.perf_counter() - t0)
     peer = rank ^ 1  # pairs (0,1), (2,3): each worker sends and receives S at once
     buf = torch.empty_like(x)
-    for _ in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        works = [dist.isend(x, peer), dist.irecv(buf, peer)]
-        for w in works:
+    comm = TorchDistComm()
+    seq = iter(range(1 << 20))
+
+    def send_first() -> None:
+        for w in [dist.isend(x, peer), dist.irecv(buf, peer)]:
             w.wait()
-        pair.append(time.perf_counter() - t0)
-    times = torch.tensor([statistics.median(ar[1:]), statistics.median(pair[1:])])
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+
+    times = torch.tensor(
+        [
+            _timed(lambda: dist.all_reduce(x), repeats),
+            _timed(lambda: comm._exchange([x], [peer], [peer], next(seq)).wait_all(), repeats),
+            _timed(send_first, repeats),
+        ]
+    )
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest worker's
     if rank == 0:
-        t_ar, t_pair = times.tolist()
+        t_ar, t_pair, t_send_first = times.tolist()
         with open(out, "w") as f:
             json.dump(
                 {
@@ -49,6 +64,8 @@ def main(nbytes: int, repeats: int, out: str) -> None:
                     "pair_exchange_s_measured": t_pair,
                     "allreduce_effective_bps": 2 * (n - 1) / n * nbytes * 8 / t_ar,
                     "pair_effective_bps": nbytes * 8 / t_pair,
+                    "pair_exchange_send_first_s_measured": t_send_first,
+                    "pair_send_first_effective_bps": nbytes * 8 / t_send_first,
                 },
                 f,
             )

@@ -46,8 +46,9 @@ class SimSection(Section):
     """Effective bandwidth of a point-to-point transfer (gossip and pair exchanges, a rejoin's
     state copy) as a fraction of the link's bandwidth; all-reduce and all-gather keep the full
     bandwidth. 1.0: nominal. Measure it as the pair exchange's over the all-reduce's effective
-    bandwidth (the probe of benchmarks/netlab_validation.py: 0.55 for gloo on tbf-shaped links)
-    and give bandwidth_bps the all-reduce's; above 1 if point-to-point gets more than that."""
+    bandwidth (`frugaltrain netlab probe`: 0.93-1.07 for the runtime's exchange on tbf-shaped links,
+    0.55 when the sends were posted first) and give bandwidth_bps the all-reduce's; above 1 if
+    point-to-point gets more than that."""
     straggler_prob: float = 0.0
     """Probability that a worker's inner step is slowed by straggler_slowdown."""
     straggler_slowdown: float = 4.0

@@ -13,7 +13,8 @@ payload of S bytes per worker:
 
 In the point-to-point forms (gossip, pairs, rejoin) B is p B_i with p = sim.p2p_bandwidth_ratio
 (default 1): a real stack may move a pair exchange slower than its all-reduce over the same link
-(gloo on tbf-shaped links: p = 0.55, docs/results/netlab.md). All-reduce and all-gather use B_i.
+(gloo on tbf-shaped links: p = 0.93-1.07 with the runtime's exchange, 0.55 with its sends posted
+first, docs/results/netlab.md). All-reduce and all-gather use B_i.
 
 Each worker's link is one FIFO queue: an operation starts on it when the worker has posted it
 and the link has finished every earlier operation (so Mix1 and Mix2 serialize, Mix1 first).
