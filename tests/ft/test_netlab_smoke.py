@@ -4,9 +4,11 @@ Root only (namespaces and tc); anywhere else it is skipped with the reason."""
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
+from frugaltrain.netlab import cpu
 from frugaltrain.netlab.lab import NetLab, list_namespaces, why_not_available
 from frugaltrain.netlab.run import measure_rate_mbit
 
@@ -31,3 +33,30 @@ def test_netlab_tears_down_on_error():
         assert lab.ns(1) in list_namespaces()
         raise RuntimeError("boom")
     assert not [ns for ns in list_namespaces() if ns.startswith(f"ftl-e{os.getpid()}-")]
+
+
+CPU_REASON = REASON or cpu.why_not_available()
+
+
+@pytest.mark.skipif(CPU_REASON is not None, reason=CPU_REASON or "")
+def test_netlab_workers_run_in_their_cpu_quota_and_per_worker_links():
+    tag = f"q{os.getpid()}"
+    lab = NetLab(2, 40.0, tag=tag, rates=[40.0, 10.0], cpu_shares=[0.5, 0.25])
+    with lab:
+        for i, share in enumerate([0.5, 0.25]):
+            out = subprocess.run(
+                [*lab.exec_args(i), "cat", "/proc/self/cgroup"], capture_output=True, text=True
+            ).stdout
+            assert f"ftl-{tag}-w{i}" in out, out
+            root, version = cpu.controller_dir()
+            d = root / f"ftl-{tag}-w{i}"
+            got = (d / ("cpu.cfs_quota_us" if version == 1 else "cpu.max")).read_text().split()[0]
+            assert int(got) == int(share * cpu.PERIOD_US)
+        shown = subprocess.run(
+            ["tc", "-n", lab.ns(1), "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
+        assert "10Mbit" in shown, shown
+    root, _ = cpu.controller_dir()
+    assert not list(root.glob(f"ftl-{tag}-*"))
+    with pytest.raises(ValueError, match="cpu_shares: 1 values for 2 workers"):
+        NetLab(2, 10.0, tag=tag, cpu_shares=[0.5]).up()

@@ -5,10 +5,12 @@
 
 Each worker's link is shaped in both directions with a token bucket (tbf on eth0 for what the
 worker sends, on v{i} for what it receives); netem is not available on these kernels, so there
-is no added delay or loss beyond what the rate implies. Everything lives inside namespaces this
-module creates (named `ftl-<tag>-...`); interface names and addresses are private to them, the
-host's own network is never touched. `NetLab` is a context manager: leaving it, normally, on an
-exception or on Ctrl-C / SIGTERM, deletes every namespace it made (and with them the links).
+is no added delay or loss beyond what the rate implies. `rates` gives workers links of their own
+(a slower machine), and `cpu_shares` holds each worker to a fixed CPU quota (netlab/cpu.py).
+Everything lives inside namespaces this module creates (named `ftl-<tag>-...`); interface names
+and addresses are private to them, the host's own network is never touched. `NetLab` is a
+context manager: leaving it, normally, on an exception or on Ctrl-C / SIGTERM, deletes every
+namespace it made (and with them the links).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
+
+from frugaltrain.netlab import cpu
+from frugaltrain.netlab.cpu import CpuQuota
 
 PREFIX = "ftl-"
 SUBNET = "10.77.0"
@@ -51,7 +56,7 @@ def cleanup(tag: str = "") -> list[str]:
         if ns.startswith(PREFIX + tag):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             gone.append(ns)
-    return gone
+    return gone + cpu.cleanup(tag)
 
 
 def tbf_args(rate_mbit: float) -> list[str]:
@@ -64,12 +69,19 @@ def tbf_args(rate_mbit: float) -> list[str]:
 @dataclass
 class NetLab:
     """`workers` namespaces joined through a bridge, each link limited to `rate_mbit` Mbit/s
-    in each direction (0: unshaped)."""
+    in each direction (0: unshaped), or worker i's to `rates[i]`; with `cpu_shares`, worker i's
+    processes get `cpu_shares[i]` cores at most."""
 
     workers: int
     rate_mbit: float
     tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
     namespaces: list[str] = field(default_factory=list)
+    rates: list[float] | None = None
+    cpu_shares: list[float] | None = None
+    quota: CpuQuota | None = None
+
+    def rate_of(self, i: int) -> float:
+        return self.rates[i] if self.rates else self.rate_mbit
 
     @property
     def hub(self) -> str:
@@ -84,6 +96,13 @@ class NetLab:
     def up(self) -> NetLab:
         if not 1 <= self.workers <= 200:
             raise ValueError(f"netlab workers = {self.workers}: use 1 to 200")
+        for name, per_worker in (("rates", self.rates), ("cpu_shares", self.cpu_shares)):
+            if per_worker is not None and len(per_worker) != self.workers:
+                raise ValueError(
+                    f"netlab {name}: {len(per_worker)} values for {self.workers} workers"
+                )
+        if self.cpu_shares is not None:
+            self.quota = CpuQuota(self.tag, list(self.cpu_shares)).up()
         _sh("ip", "netns", "add", self.hub)
         self.namespaces.append(self.hub)
         _sh("ip", "-n", self.hub, "link", "set", "lo", "up")
@@ -100,21 +119,24 @@ class NetLab:
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            if self.rate_mbit > 0:
+            if self.rate_of(i) > 0:
                 _sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
-                    *tbf_args(self.rate_mbit))  # fmt: skip
+                    *tbf_args(self.rate_of(i)))  # fmt: skip
                 _sh("tc", "-n", self.hub, "qdisc", "add", "dev", f"v{i}", "root", "tbf",
-                    *tbf_args(self.rate_mbit))  # fmt: skip
+                    *tbf_args(self.rate_of(i)))  # fmt: skip
         return self
 
     def down(self) -> None:
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()
+        if self.quota is not None:
+            self.quota.down()
 
     def exec_args(self, i: int) -> list[str]:
-        """Prefix that runs a command inside worker i's namespace."""
-        return ["ip", "netns", "exec", self.ns(i)]
+        """Prefix that runs a command inside worker i's namespace (and CPU share)."""
+        prefix = ["ip", "netns", "exec", self.ns(i)]
+        return self.quota.wrap(i, prefix) if self.quota is not None else prefix
 
     def __enter__(self) -> NetLab:
         # SIGTERM tears down like Ctrl-C does (the default action would skip `finally`).
