@@ -275,3 +275,26 @@ def test_rejections_and_membership_changes_are_counted_in_the_round_record(tmp_p
     assert [r["comm/rejected"] for r in rounds] == [1, 2]
     assert [r["comm/membership_changes"] for r in rounds] == [1, 0]
     assert all(math.isclose(r["comm/blocking_s/outer"], 0.0) for r in rounds)
+
+
+def test_evaluation_without_diagnostics_reports_the_same_loss_and_no_agreement(
+    config_factory, tmp_path
+):
+    """run.eval_diagnostics = false drops the all-reduce of every parameter (and what it
+    measures) from evaluations; the workers' mean validation loss is the same number."""
+    got = {}
+    for diagnostics in (True, False):
+        sets = ("outer.strategy='diloco'", "run.threads=1", f"run.workers={WORKERS}")
+        cfg = config_factory(
+            tmp_path / str(diagnostics), *sets, f"run.eval_diagnostics={str(diagnostics).lower()}"
+        )
+        run_dir = launch.new_run_dir(cfg)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        launch.run(cfg, run_dir)
+        got[diagnostics] = [r for r in _rounds(run_dir) if "loss/val" in r]
+    assert [r["step"] for r in got[True]] == [r["step"] for r in got[False]] == [6, 12]
+    for on, off in zip(got[True], got[False], strict=True):
+        assert off["loss/val"] == pytest.approx(on["loss/val"], rel=1e-6)
+        assert "consensus/total" in on and "loss/val_avg_model" in on
+        assert not [k for k in off if k.startswith(("consensus/", "disagreement/"))]
+        assert "loss/val_avg_model" not in off and "loss/val_workers" not in off

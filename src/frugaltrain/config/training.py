@@ -102,6 +102,11 @@ class RunSection(Section):
     """Evaluate validation loss every this many inner steps (0: only at the end)."""
     eval_batches: int = 8
     """Number of fixed validation batches per evaluation."""
+    eval_diagnostics: bool = True
+    """With several workers, an evaluation also measures how far apart they are and the loss of
+    their averaged model: an all-reduce of every parameter, which waits for any transfer still in
+    flight. false: each worker's own validation loss only, averaged with the round's scalars
+    without blocking (timing runs on slow links)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many outer rounds (0: only at the end)."""
     stop_at_round: int = 0

@@ -302,7 +302,14 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
 
 
 # What a resumed run may change: how long it runs and how it reports, not what it computes.
-_RUN_MAY_CHANGE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "stop_at_round")
+_RUN_MAY_CHANGE = (
+    "steps",
+    "eval_every",
+    "eval_batches",
+    "eval_diagnostics",
+    "checkpoint_every",
+    "stop_at_round",
+)
 _RUN_MAY_CHANGE += ("threads", "timeout_s", "progress", "tensorboard", "wandb")
 # and how a replica is laid out: DCP reshards (docs/sharding.md)
 _RUN_MAY_CHANGE += ("shards", "activation_checkpointing")

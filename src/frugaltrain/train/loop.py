@@ -369,16 +369,19 @@ def eval_due(cfg: Config, step: int, round_steps: int) -> bool:
 
 
 def evaluate_round(w: Worker) -> tuple[float, dict]:
-    """Validation loss, and with several workers how far apart they are and the loss of their
-    averaged model. Evaluation rounds synchronize (the diagnostics need every worker's
-    parameters); their time is reported apart and is neither compute nor algorithm blocking."""
+    """Validation loss, and with several workers (run.eval_diagnostics) how far apart they are
+    and the loss of their averaged model. Those evaluation rounds synchronize (the diagnostics
+    need every worker's parameters); their time is reported apart and is neither compute nor
+    algorithm blocking."""
     t0 = time.perf_counter()
     with autocast(w.cfg, w.device):
         val_loss = evaluate(w.model, w.val_batches)
-        if w.comm.world_size > 1:
-            fields = disagreement(w, val_loss)
-        else:
+        if w.comm.world_size == 1:
             fields = {"loss/val_avg_model": val_loss}
+        elif w.cfg.run.eval_diagnostics:
+            fields = disagreement(w, val_loss)
+        else:  # no communication: the mean over workers comes with the round's scalars
+            fields = {}
     fields["time/eval_s"] = time.perf_counter() - t0
     return val_loss, fields
 
