@@ -1,0 +1,325 @@
+"""Time to loss on real slow links: the wall clock each method needs to reach DiLoCo's final
+validation loss, with every worker a real process in its own netlab namespace behind a shaped
+link and held to a fixed CPU share (a cgroup quota), so one worker's compute speed does not
+depend on whether the others are blocked.
+
+    python benchmarks/time_to_loss.py --data /usr/share/doc --cases r1=22,r2=11,slow=22:5.5 \
+        --seeds 0,1,2 --out benchmarks/results/time_to_loss.json
+
+A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
+Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
+the standard-library corpus with the same grid as every method) with the shared overrides below
+(steps, H, data, seed, an evaluation every --eval-rounds rounds). Runs are interleaved (for each
+case and seed, every method), DiLoCo first: the target of a case and seed is DiLoCo's final
+validation loss (mean over workers), and a method's time to it is read off its own curve (wall
+clock since the workers started training, linear between evaluations). An evaluation is each
+worker's own model on the same validation batches with no communication (run.eval_diagnostics =
+false): it costs every method the same compute and nothing waits on a transfer for it; the loss
+is the workers' mean. A method still above the target when its wall clock passes --budget x
+DiLoCo's is stopped there (DDP on a slow link) and reported as not reached. Beside each measured
+curve of seed 0, the simulator's prediction: the same config on the simulated clock fed the
+probed links (the all-reduce's effective bandwidth, the pair exchange's ratio to it) and the
+run's measured step time, its time to its own DiLoCo's final loss read off the same way. Needs
+root (netlab, cgroups). Writes the JSON (provenance, every run's curve) and a PNG of loss
+against wall clock, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import provenance
+
+from frugaltrain.config import load_config, to_toml
+from frugaltrain.metrics.log import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "diloco"
+METHODS = {  # name -> (example config, extra overrides)
+    "diloco": ("diloco", []),
+    "diloco-int8": ("diloco", ["outer.codec='int8'"]),
+    "streaming": ("streaming", []),
+    "noloco": ("noloco", []),
+    "GlobalM1": ("fgd_globalm1", []),
+    "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
+    "subset": ("fgd_subset", []),
+    "ddp": ("ddp", []),
+}
+
+
+def overrides(method: str, common: list[str]) -> tuple[str, list[str]]:
+    example, extra = METHODS[method]
+    return str(ROOT / "examples" / f"{example}.toml"), [*common, *extra]
+
+
+def common_overrides(args, seed: int, out_dir: str) -> list[str]:
+    sets = [
+        f"run.steps={args.steps}",
+        f"outer.H={args.H}",
+        f"run.eval_every={args.eval_rounds * args.H}",
+        f"run.eval_batches={args.eval_batches}",
+        "run.checkpoint_every=0",
+        "run.eval_diagnostics=false",  # no transfer at evaluations: nothing waits on them
+        "run.progress=false",
+        f"run.seed={seed}",
+        f"run.out_dir={out_dir!r}",
+    ]
+    if args.data:
+        sets.append(f"data.path={args.data!r}")
+    return [*sets, *args.set]
+
+
+def parse_case(spec: str) -> tuple[str, float, float | None]:
+    name, _, rates = spec.partition("=")
+    rate, _, slow = rates.partition(":")
+    return name, float(rate), float(slow) if slow else None
+
+
+def curve(run_dir: Path) -> dict:
+    """The run's evaluations against its wall clock. Evaluations are local (each worker's own
+    model, run.eval_diagnostics = false): the same compute in every method, counted in."""
+    rounds = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "round"]
+    evals = [r for r in rounds if "loss/val" in r]
+    compute = sum(r["time/compute_s"] for r in rounds)
+    blocking = sum(r["time/blocking_s"] for r in rounds)
+    last_step = rounds[-1]["step"] if rounds else 0
+    return {
+        "wall_s_measured": [r["time/wall_s"] + r.get("time/eval_s", 0.0) for r in evals],
+        "val_loss": [r["loss/val"] for r in evals],
+        "step": [r["step"] for r in evals],
+        "step_s_measured": compute / last_step if last_step else None,
+        "eval_s_measured": sum(r.get("time/eval_s", 0.0) for r in evals),
+        "U_measured": compute / (compute + blocking) if rounds else None,
+    }
+
+
+def time_to(target: float, t: list[float], loss: list[float]) -> float | None:
+    """First wall clock at which the curve reaches `target` (linear between evaluations)."""
+    for k, (tk, lk) in enumerate(zip(t, loss, strict=True)):
+        if lk <= target:
+            if k == 0:
+                return tk
+            t0, l0 = t[k - 1], loss[k - 1]
+            return t0 + (tk - t0) * (l0 - target) / (l0 - lk)
+    return None
+
+
+def run_one(cfg_path: str, sets: list[str], lab_args: dict, timeout_s: float) -> Path:
+    from frugaltrain.netlab.lab import NetLab
+    from frugaltrain.netlab.run import train
+    from frugaltrain.train.launch import prepare
+
+    cfg, run_dir, _ = prepare(cfg_path, sets, None)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    try:
+        with NetLab(cfg.run.workers, **lab_args) as lab:
+            train(lab, run_dir / "config.toml", run_dir, timeout_s=timeout_s)
+    except TimeoutError:  # stopped at the budget: its curve so far is what it reached
+        pass
+    return run_dir
+
+
+def simulated_curve(cfg_path: str, sets: list[str], step_s: float, link: dict, rates) -> dict:
+    from frugaltrain.sim import SimSection, simulate
+
+    cfg = load_config(cfg_path, sets)
+    ar_bps = link["allreduce_effective_bps"]
+    scale = [r / rates[0] for r in rates]  # a slow link keeps the probe's share of its rate
+    sim = SimSection(
+        compute="fixed",
+        step_s=step_s,
+        bandwidth_bps=[ar_bps * s for s in scale],
+        p2p_bandwidth_ratio=link["pair_effective_bps"] / ar_bps,
+        latency_s=0.0,
+    )
+    evals = [r for r in simulate(cfg, sim).records if r.get("kind") == "round" and "loss/val" in r]
+    return {
+        "wall_s_simulated": [r["time/sim_s"] for r in evals],
+        "val_loss": [r["loss/val"] for r in evals],
+        "step": [r["step"] for r in evals],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="r1=22,r2=11,slow=22:5.5")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("-H", type=int, default=10)
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--eval-rounds", type=int, default=2, help="rounds between evaluations")
+    ap.add_argument("--data", default="", help="data.path (empty: the examples' stdlib bytes)")
+    ap.add_argument("--cpu-share", type=float, default=0.4, help="cores per worker (cgroup)")
+    ap.add_argument("--budget", type=float, default=2.0, help="x DiLoCo's wall clock")
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulator's curves")
+    ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for every run")
+    ap.add_argument("--out", default="benchmarks/results/time_to_loss.json")
+    args = ap.parse_args()
+
+    from frugaltrain.netlab import cpu
+    from frugaltrain.netlab.lab import NetLab, why_not_available
+    from frugaltrain.netlab.run import probe
+
+    reason = why_not_available() or cpu.why_not_available()
+    if reason:
+        print(f"time_to_loss: skipped: {reason}", file=sys.stderr)
+        return 2
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or BASELINE not in methods:
+        print(f"--methods: {unknown or 'no diloco'}; use {', '.join(METHODS)} (with diloco)")
+        return 2
+    methods = [BASELINE, *[m for m in methods if m != BASELINE]]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    variants = {m: overrides(m, ["<shared>"])[1][1:] for m in methods}
+    record = provenance.start("measured", variants=variants, note="netlab, cgroup CPU quota")
+    record |= {"methods": methods, "seeds": seeds, "steps": args.steps, "H": args.H,
+               "data": args.data or "stdlib bytes", "cpu_share": args.cpu_share,
+               "budget_x_diloco": args.budget, "shared": common_overrides(args, 0, "RUNS"),
+               "tuned_on": "stdlib (the examples' outer steps)", "cases": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as runs:
+        base = overrides(BASELINE, common_overrides(args, 0, runs))
+        M, S = load_config(*base).run.workers, _param_bytes(base)
+        labs = {}
+        for name, rate, slow in cases:  # the links as gloo gets them, before any run
+            rates = [rate] * M if slow is None else [rate] * (M - 1) + [slow]
+            labs[name] = {"rate_mbit": rate, "rates": rates, "cpu_shares": [args.cpu_share] * M}
+            with NetLab(M, rate, rates=rates) as lab:
+                link = probe(lab, S, 3, Path(runs) / f"probe-{name}.json")
+            record["cases"][name] = {"rates_mbit": rates, "probe": link, "runs": []}
+        for seed in seeds:  # every case at one seed before the next seed
+            for name, case in record["cases"].items():
+                diloco_wall = None
+                for m in methods:
+                    cfg_path, sets = overrides(m, common_overrides(args, seed, runs))
+                    sets.append(f"run.name='{name}-{m}-s{seed}'")
+                    timeout = 3600 if diloco_wall is None else args.budget * diloco_wall + 30
+                    c = curve(run_one(cfg_path, sets, labs[name], timeout))
+                    if m == BASELINE:
+                        diloco_wall = c["wall_s_measured"][-1]
+                    row = {"method": m, "seed": seed, **c}
+                    if not args.no_sim and seed == seeds[0] and c["step_s_measured"]:
+                        row["sim"] = simulated_curve(
+                            cfg_path, sets, c["step_s_measured"], case["probe"], case["rates_mbit"]
+                        )
+                    case["runs"].append(row)
+                    print(json.dumps({"case": name, "method": m, "seed": seed,
+                                      "final": c["val_loss"][-1:],
+                                      "wall": c["wall_s_measured"][-1:],
+                                      "U": c["U_measured"]}), flush=True)  # fmt: skip
+                    _save(record, args.out)
+    provenance.finish(record)
+    _save(record, args.out)
+    print(table(record))
+    plot(record, Path(args.out).with_suffix(".png"))
+    return 0
+
+
+def _param_bytes(cfg_and_sets) -> int:
+    from frugaltrain.models import build_model
+
+    cfg = load_config(*cfg_and_sets)
+    return 4 * sum(p.numel() for p in build_model(cfg).parameters())
+
+
+def _save(record: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def analyze(record: dict) -> list[dict]:
+    """Per case and method: time to DiLoCo's final loss as a ratio to DiLoCo's (each seed against
+    the DiLoCo run of its seed), seeds that reached it, and final loss at equal steps."""
+    out = []
+    for name, case in record["cases"].items():
+        base = {r["seed"]: r for r in case["runs"] if r["method"] == BASELINE}
+        for m in record["methods"]:
+            ratios, final, sim_ratio, U = [], [], [], []
+            for r in (r for r in case["runs"] if r["method"] == m):
+                d = base[r["seed"]]
+                target = d["val_loss"][-1]
+                t_d = time_to(target, d["wall_s_measured"], d["val_loss"])
+                t_m = time_to(target, r["wall_s_measured"], r["val_loss"])
+                ratios.append(t_m / t_d if t_m is not None else None)
+                if r["step"] and r["step"][-1] == d["step"][-1]:
+                    final.append(r["val_loss"][-1] / target)
+                U.append(r["U_measured"])
+                if "sim" in r and "sim" in d:  # the same rule on the simulated runs
+                    sd, sm = d["sim"], r["sim"]
+                    sim_target = sd["val_loss"][-1]
+                    ts_d = time_to(sim_target, sd["wall_s_simulated"], sd["val_loss"])
+                    ts_m = time_to(sim_target, sm["wall_s_simulated"], sm["val_loss"])
+                    sim_ratio.append(ts_m / ts_d if ts_m is not None and ts_d else None)
+            out.append({"case": name, "method": m, "ratios": ratios, "final_x": final,
+                        "U": U, "sim_ratio": sim_ratio})  # fmt: skip
+    return out
+
+
+def _fmt_ratios(ratios: list) -> str:
+    got = [r for r in ratios if r is not None]
+    if not got:
+        return f"not reached (0/{len(ratios)})"
+    text = f"{statistics.mean(got):.2f} ({min(got):.2f}-{max(got):.2f})"
+    return text if len(got) == len(ratios) else f"{text}, {len(got)}/{len(ratios)} reached"
+
+
+def table(record: dict) -> str:
+    lines = [
+        "| case | method | time to DiLoCo's loss, x DiLoCo (mean, min-max over seeds) "
+        "| simulator's prediction (seed 0) | final loss x DiLoCo, equal steps (mean, worst) "
+        "| U measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in analyze(record):
+        sim = ", ".join("-" if s is None else f"{s:.2f}" for s in a["sim_ratio"]) or "-"
+        fin = (f"{statistics.mean(a['final_x']):.4f}, {max(a['final_x']):.4f}"
+               if a["final_x"] else "stopped early")  # fmt: skip
+        U = [u for u in a["U"] if u is not None]
+        u = f"{statistics.mean(U):.2f}" if U else "-"
+        lines.append(f"| {a['case']} | {a['method']} | {_fmt_ratios(a['ratios'])} | {sim} "
+                     f"| {fin} | {u} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(record["cases"])
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.2), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    seed0 = record["seeds"][0]
+    for ax, name in zip(axes[0], cases, strict=True):
+        case = record["cases"][name]
+        for k, m in enumerate(record["methods"]):
+            for r in (r for r in case["runs"] if r["method"] == m and r["seed"] == seed0):
+                col = colors[k % len(colors)]
+                ax.plot(r["wall_s_measured"], r["val_loss"], color=col, label=m)
+                if "sim" in r:
+                    ax.plot(r["sim"]["wall_s_simulated"], r["sim"]["val_loss"], color=col,
+                            linestyle=":", linewidth=1)  # fmt: skip
+        rates = case["rates_mbit"]
+        ax.set_title(f"{name}: links {'/'.join(f'{x:g}' for x in sorted(set(rates)))} Mbit/s")
+        ax.set_xlabel("training wall clock, s (measured; dotted: simulated)")
+        ax.set_ylabel("validation loss (mean over workers)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--table"]:
+        rec = json.loads(Path(sys.argv[2]).read_text())
+        print(table(rec))
+        plot(rec, Path(sys.argv[2]).with_suffix(".png"))
+    else:
+        sys.exit(main())
