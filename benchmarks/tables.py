@@ -51,6 +51,11 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.4f} ± {sd:.4f}"
 
 
+def _row(cells: list[str]) -> str:
+    """A Markdown table row; an empty cell stays empty (`| |`)."""
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+
 def compression(files: list[dict]) -> str:
     """Bytes per round against loss, every codec, DiLoCo and GlobalM1LocalM2 (three seeds)."""
     rows = [r for f in files for r in f["runs"]]
@@ -115,6 +120,133 @@ def compression_long(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SUBSET = "M2pairs:embed+head+blocks:1"
+FGD_METHODS = ("diloco", "GlobalM1", "GlobalM1LocalM2", SUBSET)
+_ALIAS = {"subset": SUBSET, "M2pairs_embed-head-blocks_1": SUBSET}
+
+
+def _grid_key(name: str) -> tuple[str, float, float]:
+    """A run name of fgd_real_text.py -> (method, outer lr, outer momentum): `X` is lr 0.7 at
+    momentum 0.9 (the script's default), `X-lr0.35` lr 0.35, `X-m8-lr05` lr 0.5 at 0.8."""
+    method, m8, lr = re.fullmatch(r"(.+?)(-m8)?(?:-lr([\d.]+))?", name).groups()
+    if lr is None:
+        x = 0.7
+    else:
+        x = float(lr) if "." in lr else int(lr) / 10 ** (len(lr) - 1)
+    return _ALIAS.get(method, method), x, 0.8 if m8 else 0.9
+
+
+def _grid(files: list[dict], H: int) -> dict[tuple[str, float, float], float]:
+    """(method, outer lr, momentum) -> seed 0's validation loss (each worker's model) at H."""
+    runs = [r for f in files for r in f["runs"] if r["H"] == H and r["seed"] == 0]
+    return {_grid_key(r["method"]): r["loss_val"] for r in runs}
+
+
+def fgd_ablation(files: list[dict]) -> str:
+    """What the gap is made of: every variant of fgd_ablation_h10.json, seed 0."""
+    labels = {
+        "M1-mixed": "GlobalM1, momentum mixed with Mix1 (`outer.fgd.momentum_policy=mixed`)",
+        "M1-reset": "GlobalM1, momentum reset each round (`momentum_policy=reset`)",
+        "M1-mu0": "GlobalM1, outer momentum 0",
+        "M1-lr0.35": "GlobalM1, outer lr 0.35",
+        "M1-alpha0.5": "GlobalM1, Mix1 weight 0.5 (`outer.fgd.mix1_weight`)",
+        "M1LM2-mom": "GlobalM1LocalM2, Mix2 on post-momentum updates (`outer.fgd.mix2_momentum`)",
+        "diloco-lr0.35": "diloco, outer lr 0.35",
+    }
+    runs = files[0]["runs"]
+    ref = next(r["loss_val"] for r in runs if r["method"] == "diloco")
+
+    def spread(r: dict, key: str) -> str:
+        first, last = (r["evals"][i].get(key) or 0.0 for i in (0, -1))
+        return "0" if first == last == 0 else f"{first:.1f} -> {last:.2f}"
+
+    lines = [
+        "| variant | val loss | vs DiLoCo | avg-model loss | consensus (50 -> 500) "
+        "| momentum spread (50 -> 500) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        gap = "-" if r["method"] == "diloco" else f"{(r['loss_val'] / ref - 1) * 100:+.1f}%"
+        cells = [labels.get(r["method"], r["method"]), f"{r['loss_val']:.4f}", gap]
+        cells += [f"{r['loss_val_avg_model']:.4f}", spread(r, "consensus/total")]
+        lines.append(_row([*cells, spread(r, "consensus/momentum")]))
+    return "\n".join(lines)
+
+
+def fgd_lr_grid(H: int, lrs: tuple[str, ...]) -> Callable[[list[dict]], str]:
+    """Seed 0's loss at every outer lr (momentum 0.9), the best in bold, beside DiLoCo's best."""
+
+    def render(files: list[dict]) -> str:
+        grid = _grid(files, H)
+        best = {
+            m: min((grid[m, float(s), 0.9], s) for s in lrs if (m, float(s), 0.9) in grid)
+            for m in FGD_METHODS
+        }
+        head = ["method", *(f"lr {s}" for s in lrs), "best vs best DiLoCo"]
+        lines = [_row(head), "|" + "---|" * len(head)]
+        for m in FGD_METHODS:
+            (loss, lr), ref = best[m], best["diloco"][0]
+            cells = [f"{grid[m, float(s), 0.9]:.4f}" for s in lrs]
+            cells = [f"**{c}**" if s == lr else c for c, s in zip(cells, lrs, strict=True)]
+            lines.append(_row([m, *cells, f"{(loss / ref - 1) * 100:+.1f}% (lr {lr})"]))
+        return "\n".join(lines)
+
+    return render
+
+
+def fgd_momentum_grid(files: list[dict]) -> str:
+    """H = 50, seed 0: the loss at momentum 0.8 for each outer lr (the first two files), the best
+    in bold, beside each method's best at momentum 0.9 (the last file, the lr grid)."""
+    lrs = ("0.35", "0.5", "0.7", "1.0", "1.2")
+    grid, before = _grid(files[:-1], 50), _grid(files[-1:], 50)
+    lines = [_row(["method", *(f"lr {s}" for s in lrs), "best at mu 0.9"]), "|---" * 7 + "|"]
+    for m in FGD_METHODS:
+        got = {s: grid[m, float(s), 0.8] for s in lrs if (m, float(s), 0.8) in grid}
+        top = min(got, key=got.get)
+        cells = [
+            f"**{got[s]:.4f}**" if s == top else f"{got[s]:.4f}" if s in got else "" for s in lrs
+        ]
+        loss, lr = min((v, k[1]) for k, v in before.items() if k[0] == m and k[2] == 0.9)
+        lines.append(_row([m, *cells, f"{loss:.4f} (lr {lr:g})"]))
+    return "\n".join(lines)
+
+
+def fgd_seeds(
+    head: str, H: int, rows: tuple[tuple[str, str, str], ...], bold: bool = False
+) -> Callable[[list[dict]], str]:
+    """Three seeds per method: `rows` are (label, run name in the seed-0 files, run name in the
+    last file, seeds 1 and 2); the first row is DiLoCo, the ratios' reference, paired by seed.
+    With `bold`, a ratio whose mean is at most 1.01 is in bold."""
+
+    def render(files: list[dict]) -> str:
+        def seeds(first: str, rest: str) -> dict[int, dict]:
+            pick = [(f, first) for f in files[:-1]] + [(files[-1], rest)]
+            return {
+                r["seed"]: r for f, n in pick for r in f["runs"] if r["method"] == n and r["H"] == H
+            }
+
+        got = [(label, seeds(a, b)) for label, a, b in rows]
+        ref = got[0][1]
+        lines = [
+            f"| {head} | val loss (workers) | avg-model loss | workers vs DiLoCo "
+            "| avg model vs DiLoCo | utilization at r = 0.887 (estimated) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, runs in got:
+            order = sorted(runs)
+            cells = [_ms([runs[s][k] for s in order]) for k in ("loss_val", "loss_val_avg_model")]
+            for k in ("loss_val", "loss_val_avg_model"):
+                ratio = [runs[s][k] / ref[s][k] for s in order]
+                cell = _ms(ratio)
+                keep = bold and runs is not ref and round(statistics.mean(ratio), 4) <= 1.01
+                cells.append(f"**{cell}**" if keep else cell)
+            util = f"{runs[order[0]]['util_r0887']:.3f}"
+            lines.append(_row([label, *cells, util]))
+        return "\n".join(lines)
+
+    return render
+
+
 TABLES = {
     "link-probe": Table(
         "docs/results/netlab.md", ("link_probe.json",), lambda files: link_probe_table(files[0])
@@ -135,6 +267,98 @@ TABLES = {
         ("compression_h10_real_s0.json", "compression_h10_real_s12.json")
         + ("compression_h10_s0.json", "compression_h10_s12.json"),
         compression_real,
+    ),
+    "fgd-ablation": Table("docs/results/fgd.md", ("fgd_ablation_h10.json",), fgd_ablation),
+    "fgd-lr-grid-h10": Table(
+        "docs/results/fgd.md",
+        ("fgd_lr_grid_h10.json", "fgd_ablation_h10.json"),
+        fgd_lr_grid(10, ("0.2", "0.35", "0.5", "0.7")),
+    ),
+    "fgd-lr-grid-h50": Table(
+        "docs/results/fgd.md",
+        ("fgd_lr_grid_h50_h100.json",),
+        fgd_lr_grid(50, ("0.35", "0.5", "0.7", "1")),
+    ),
+    "fgd-lr-grid-h100": Table(
+        "docs/results/fgd.md",
+        ("fgd_lr_grid_h50_h100.json",),
+        fgd_lr_grid(100, ("0.35", "0.5", "0.7", "1")),
+    ),
+    "fgd-tuned-h10": Table(
+        "docs/results/fgd.md",
+        ("fgd_lr_grid_h10.json", "fgd_tuned_h10_seeds12.json"),
+        fgd_seeds(
+            "method (outer lr)",
+            10,
+            (
+                ("diloco (0.35)", "diloco-lr0.35", "diloco-t"),
+                ("GlobalM1 (0.35)", "GlobalM1-lr0.35", "GlobalM1-t"),
+                ("GlobalM1LocalM2 (0.5)", "GlobalM1LocalM2-lr0.5", "GlobalM1LocalM2-t"),
+                (f"{SUBSET} (0.35)", "M2pairs_embed-head-blocks_1-lr0.35", "subset-t"),
+            ),
+        ),
+    ),
+    "fgd-tuned-h50": Table(
+        "docs/results/fgd.md",
+        ("fgd_lr_grid_h50_h100.json", "fgd_tuned_h50_seeds12.json"),
+        fgd_seeds(
+            "method (outer lr)",
+            50,
+            (
+                ("diloco (0.7)", "diloco", "diloco"),
+                ("GlobalM1 (0.5)", "GlobalM1-lr0.5", "GlobalM1-t"),
+                ("GlobalM1LocalM2 (0.7)", "GlobalM1LocalM2", "GlobalM1LocalM2"),
+                (f"{SUBSET} (0.7)", SUBSET, SUBSET),
+            ),
+        ),
+    ),
+    "fgd-tuned-h100": Table(
+        "docs/results/fgd.md",
+        ("fgd_lr_grid_h50_h100.json", "fgd_tuned_h100_seeds12.json"),
+        fgd_seeds(
+            "method (outer lr)",
+            100,
+            (
+                ("diloco (1.0)", "diloco-lr1.0", "diloco-t"),
+                ("GlobalM1 (0.5)", "GlobalM1-lr0.5", "GlobalM1-t"),
+                ("GlobalM1LocalM2 (1.0)", "GlobalM1LocalM2-lr1.0", "GlobalM1LocalM2-t"),
+                (f"{SUBSET} (1.0)", "M2pairs_embed-head-blocks_1-lr1.0", "subset-t"),
+            ),
+        ),
+    ),
+    "fgd-momentum-h10": Table(
+        "docs/results/fgd.md",
+        ("fgd_momentum_h10.json", "fgd_momentum_h10_seeds12.json"),
+        fgd_seeds(
+            "method (outer lr)",
+            10,
+            (
+                ("diloco (0.35, mu 0.8)", "diloco-mu0.8", "diloco-mu0.8"),
+                ("GlobalM1LocalM2 (0.5, mu 0.8)", "GlobalM1LocalM2-mu0.8", "GlobalM1LocalM2-mu0.8"),
+                (f"{SUBSET} (0.35, mu 0.8)", "subset-mu0.8", "subset-mu0.8"),
+            ),
+        ),
+    ),
+    "fgd-momentum-grid-h50": Table(
+        "docs/results/fgd.md",
+        ("fgd_momentum_h50_h100.json", "fgd_momentum_h50_fill.json", "fgd_lr_grid_h50_h100.json"),
+        fgd_momentum_grid,
+    ),
+    "fgd-momentum-h50": Table(
+        "docs/results/fgd.md",
+        ("fgd_momentum_h50_h100.json", "fgd_momentum_h50_fill.json")
+        + ("fgd_momentum_h50_seeds12.json",),
+        fgd_seeds(
+            "method (outer lr, mu 0.8)",
+            50,
+            (
+                ("diloco (1.0)", "diloco-m8-lr1", "diloco-m8-lr1"),
+                ("GlobalM1 (0.5)", "GlobalM1-m8-lr05", "GlobalM1-m8-lr05"),
+                ("GlobalM1LocalM2 (0.7)", "GlobalM1LocalM2-m8-lr07", "GlobalM1LocalM2-m8-lr07"),
+                (f"{SUBSET} (0.7)", "subset-m8-lr07", "subset-m8-lr07"),
+            ),
+            bold=True,
+        ),
     ),
 }
 
