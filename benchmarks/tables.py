@@ -212,6 +212,118 @@ def fgd_momentum_grid(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _rows(files: list[dict]) -> list[dict]:
+    """The rows of every file, grouped by size in order of first appearance, then by tokens."""
+    rows = [r for f in files for r in f["rows"]]
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    return sorted(rows, key=lambda r: (sizes.index(r["size"]), r.get("tokens", 0)))
+
+
+def forge_states_loss(files: list[dict]) -> str:
+    """FORGE's state formats against torch AdamW: each arm's loss windows (forge_states_loss)."""
+    arms = {
+        "torch-fp32": ("torch AdamW (reference)", "fp32", "fp32"),
+        "torch-bf16": ("torch AdamW", "bf16", "bf16, round to nearest"),
+        "forge-fp32": ("FORGE", "fp32", "fp32"),
+        "forge-int8": ("FORGE", "fp32", "8-bit"),
+        "forge-bf16w": ("FORGE", "bf16, SR", "fp32"),
+        "forge-bf16w-bf16s": ("FORGE", "bf16, SR", "bf16, SR"),
+    }
+    rows = files[0]["rows"]
+    ref = rows[0]["windows"]
+    lines = [
+        "| arm | parameters | states | first window | last window | final step "
+        "| max window difference |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        diff = f"{r['max_window_rel_diff'] * 100:.3g}%" if r["max_window_rel_diff"] else "0"
+        if r is not rows[0] and r["windows"] == ref and not r["max_window_rel_diff"]:
+            diff += " (bit-identical)"
+        cells = [f"{r[k]:.4f}" for k in ("first_window", "last_window", "final_step")]
+        lines.append(_row([*arms[r["arm"]], *cells, diff]))
+    return "\n".join(lines)
+
+
+def forge_memory(files: list[dict]) -> str:
+    """Resident, whole-step peak and transient MiB per GPT size, tokens and variant."""
+    lines = [
+        "| size (params) | tokens | variant | resident | whole-step peak | ratio | transient "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in _rows(files):
+        cells = [f"{r['size']} ({r['params_M']:.1f}M)", str(r["tokens"]), r["variant"]]
+        cells += [f"{r['resident_MiB']:.0f}", f"{r['peak_MiB']:.0f}", f"{r['peak_ratio']:.2f}"]
+        lines.append(_row([*cells, f"{r['transient_MiB']:.0f}", f"{r['transient_ratio']:.2f}"]))
+    return "\n".join(lines)
+
+
+def forge_memory_llama(files: list[dict]) -> str:
+    """The same for the transformers Llama, by dtype, with the largest single allocation."""
+    lines = [
+        "| dtype | variant | resident | whole-step peak | ratio | transient | ratio | largest |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in files[0]["rows"]:
+        cells = [r["dtype"], r["variant"], f"{r['resident_MiB']:.0f}", f"{r['peak_MiB']:.0f}"]
+        cells += [f"{r['peak_ratio']:.2f}", f"{r['transient_MiB']:.0f}"]
+        lines.append(_row([*cells, f"{r['transient_ratio']:.2f}", f"{r['largest_alloc_MiB']:.1f}"]))
+    return "\n".join(lines)
+
+
+def forge_speed(files: list[dict]) -> str:
+    """Median and minimum step time per size, tokens and variant (files in their order)."""
+    lines = ["| size | tokens | variant | median s | min s | ratio |", "|---|---|---|---|---|---|"]
+    for r in (r for f in files for r in f["rows"]):
+        cells = [r["size"], str(r["tokens"]), r["variant"], f"{r['median_step_s']:.3f}"]
+        lines.append(_row([*cells, f"{r['min_step_s']:.3f}", f"{r['ratio']:.2f}"]))
+    return "\n".join(lines)
+
+
+def forge_speed_states(files: list[dict]) -> str:
+    """Step time by state format, with each repetition's ratio to torch AdamW's."""
+    lines = [
+        "| size | dtype | variant | median s | min - max s | ratio of medians "
+        "| paired ratio: median (min - max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in files[0]["rows"]:
+        lo, hi = r["paired_ratio_min"], r["paired_ratio_max"]
+        paired = f"{r['paired_ratio_median']:.2f}" + (f" ({lo:.2f} - {hi:.2f})" if lo != hi else "")
+        cells = [r["size"], r["dtype"], r["variant"], f"{r['median_step_s']:.3f}"]
+        cells.append(f"{r['min_step_s']:.3f} - {r['max_step_s']:.3f}")
+        lines.append(_row([*cells, f"{r['ratio']:.2f}", paired]))
+    return "\n".join(lines)
+
+
+def forge_targets(files: list[dict]) -> str:
+    """FORGE's CPU targets at 512 tokens from the memory (first file) and speed (second) rows;
+    the fp32-state memory targets in bold where met."""
+    memory = {(r["size"], r["variant"]): r for r in files[0]["rows"] if r["tokens"] == 512}
+    speed = {(r["size"], r["variant"]): r for r in files[1]["rows"] if r["tokens"] == 512}
+    sizes = list(dict.fromkeys(size for size, _ in memory))
+    targets = (  # label, rows, variant, key, at most, bold
+        ("transient <= 0.5x", memory, "forge", "transient_ratio", 0.5, True),
+        ("whole-step peak <= 0.8x", memory, "forge", "peak_ratio", 0.8, True),
+        ("with 8-bit states: peak <= 0.8x", memory, "forge-int8", "peak_ratio", 0.8, False),
+        ("step time <= 1.1x", speed, "forge", "ratio", 1.1, False),
+    )
+    lines = [_row(["target", *sizes]), "|---" * (len(sizes) + 1) + "|"]
+    for label, rows, variant, key, most, bold in targets:
+        cells = []
+        for size in sizes:
+            r = rows.get((size, variant))
+            cell = (
+                "not run"
+                if r is None
+                else f"{'met' if r[key] <= most else 'missed'} ({r[key]:.2f})"
+            )
+            cells.append(f"**{cell}**" if bold and cell.startswith("met") else cell)
+        lines.append(_row([label, *cells]))
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Seeds:
     """Three seeds per method at one H: seed 0 from the `first` files, the other seeds from
@@ -444,6 +556,20 @@ TABLES = {
             (MOMENTUM_H50, 2, "lr 0.7, momentum 0.8", None),
             (TUNED_H100, 2, "lr 1.0, momentum 0.9", None),
         )
+    ),
+    "forge-states-loss": Table("docs/forge.md", ("forge_states_loss.json",), forge_states_loss),
+    "forge-memory": Table(
+        "docs/forge.md", ("forge_memory.json", "forge_memory_85M_4096.json"), forge_memory
+    ),
+    "forge-memory-llama": Table(
+        "docs/forge.md", ("forge_memory_llama125M.json",), forge_memory_llama
+    ),
+    "forge-speed": Table(
+        "docs/forge.md", ("forge_speed.json", "forge_speed_4096.json"), forge_speed
+    ),
+    "forge-speed-states": Table("docs/forge.md", ("forge_speed_states.json",), forge_speed_states),
+    "forge-targets": Table(
+        "docs/forge.md", ("forge_memory.json", "forge_speed.json"), forge_targets
     ),
 }
 
