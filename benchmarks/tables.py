@@ -324,6 +324,94 @@ def forge_targets(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+GPU_VARIANTS = (
+    "adamw",
+    "adamw-foreach",
+    "forge",
+    "forge-r512",
+    "forge-triton",
+    "forge-triton-int8",
+)
+
+
+def forge_gpu_steps(files: list[dict]) -> str:
+    """Whole training step on the GPU: each variant's peak and step-time ratios to fused AdamW,
+    per size, tokens and dtype (512 tokens first); the target cell (1B, 512 tokens,
+    forge-triton) in bold."""
+    rows = files[0]["rows"]
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    cases = sorted(
+        {(r["size"], r["tokens"], r["dtype"]) for r in rows},
+        key=lambda c: (c[1], sizes.index(c[0]), c[2] != "fp32"),
+    )
+    got = {(r["size"], r["tokens"], r["dtype"], r["variant"]): r for r in rows}
+    head = ["size", "tokens", "dtype", "fused AdamW: peak MiB / ms", *GPU_VARIANTS]
+    lines = [_row(head), "|---" * len(head) + "|"]
+    for case in cases:
+        ref = got[(*case, "adamw-fused")]
+        cells = [case[0], str(case[1]), case[2], f"{ref['peak_MiB']:.0f} / {ref['median_ms']:.1f}"]
+        for v in GPU_VARIANTS:
+            r = got[(*case, v)]
+            t = "n/t" if r.get("time_ratio") is None else f"{r['time_ratio']:.2f}"
+            cell = f"{r['peak_ratio']:.2f} / {t}"
+            target = case[:2] == ("1B", 512) and v == "forge-triton"
+            cells.append(f"**{cell}**" if target else cell)
+        lines.append(_row(cells))
+    return "\n".join(lines)
+
+
+def forge_gpu_kernel(files: list[dict]) -> str:
+    """The fused kernel alone against cuBLAS dW plus fused AdamW, at the kernel's default tile
+    (the one whose time gives `default_speedup`) and the best tile tried."""
+    lines = [
+        "| dtype | tokens | layer V x H | cuBLAS dW ms | dW + fused AdamW ms | FORGE kernel ms "
+        "| speed-up | best tile tried | its speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in files[0]["kernel"]:
+        ref = r["cublas_plus_fused_adamw_ms"]
+        tiles = [k for k in r if k.startswith("triton_") and k.endswith("_ms")]
+        default = min(tiles, key=lambda k: abs(ref / r[k] - r["default_speedup"]))
+        cells = [r["dtype"], str(r["tokens"]), f"{r['V']} x {r['H']}", f"{r['gemm_ms']:.3f}"]
+        cells += [f"{ref:.3f}", f"{r[default]:.3f}", f"{r['default_speedup']:.2f}"]
+        lines.append(_row([*cells, r["best_block"], f"{r['best_speedup']:.2f}"]))
+    return "\n".join(lines)
+
+
+def _times(x: float) -> str:
+    return f"{x:.2f}x: {1 / x:.2f}x faster" if x < 1 else f"{x:.2f}x slower"
+
+
+def forge_gpu_targets(files: list[dict]) -> str:
+    """The GPU targets: FORGE's Triton kernel (fp32, then 8-bit states) against fused AdamW at
+    512 tokens on the 1B stack, fp32 and bf16 parameters; a missed target in bold."""
+    rows = [r for r in files[0]["rows"] if (r["size"], r["tokens"]) == ("1B", 512)]
+    got = {(r["dtype"], r["variant"]): r for r in rows}
+
+    def verdict(ok: bool, detail: str) -> str:
+        return f"{'met' if ok else '**missed**'} ({detail})"
+
+    lines = ["| target | fp32 | bf16 |", "|---|---|---|"]
+    cells = ["step >= 1.2x faster (time <= 0.83x)"]
+    for dtype in ("fp32", "bf16"):
+        t = got[dtype, "forge-triton"]["time_ratio"]
+        cells.append(verdict(t <= 0.83, _times(t)))
+    lines.append(_row(cells))
+    cells = ["whole-step peak <= 0.8x"]
+    for dtype in ("fp32", "bf16"):
+        peak = got[dtype, "forge-triton"]["peak_ratio"]
+        cells.append(verdict(peak <= 0.8, f"{peak:.3g}x"))
+    lines.append(_row(cells))
+    cells = ["... with 8-bit states: peak <= 0.8x"]
+    for dtype in ("fp32", "bf16"):
+        r = got[dtype, "forge-triton-int8"]
+        t = "time not run" if r.get("time_ratio") is None else f"{r['time_ratio']:.2f}x slower"
+        peak = r["peak_ratio"]
+        cells.append(f"{verdict(peak <= 0.8, f'{peak:.3g}x')}, {t}")
+    lines.append(_row(cells))
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Seeds:
     """Three seeds per method at one H: seed 0 from the `first` files, the other seeds from
@@ -571,6 +659,9 @@ TABLES = {
     "forge-targets": Table(
         "docs/forge.md", ("forge_memory.json", "forge_speed.json"), forge_targets
     ),
+    "forge-gpu-steps": Table("docs/forge.md", ("forge_gpu_h100.json",), forge_gpu_steps),
+    "forge-gpu-kernel": Table("docs/forge.md", ("forge_gpu_h100.json",), forge_gpu_kernel),
+    "forge-gpu-targets": Table("docs/forge.md", ("forge_gpu_h100.json",), forge_gpu_targets),
 }
 
 
