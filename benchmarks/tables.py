@@ -412,6 +412,62 @@ def forge_gpu_targets(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _by_shards(f: dict, part: str) -> dict[int, list[dict]]:
+    """S -> the repetitions of `part` in a sharding.py result file."""
+    out: dict[int, list[dict]] = {}
+    for r in f["results"]:
+        if r["part"] == part:
+            out.setdefault(r["shards"], []).append(r)
+    return dict(sorted(out.items()))
+
+
+def _spread(xs: list[float], fmt: str) -> str:
+    """Median [min, max]."""
+    return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
+
+
+def sharding_memory(names: tuple[str, ...]) -> Callable[[list[dict]], str]:
+    """Peak RSS (the largest of a case's processes) and step time per S, medians over the
+    repetitions, one section per result file (its malloc setting); the ratios at S > 1 in bold
+    for the peak (the targets)."""
+
+    def render(files: list[dict]) -> str:
+        lines = [
+            "| S | peak RSS per process, MiB (measured) | x S=1 | estimate, MiB "
+            "| step s (measured) | x S=1 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, f in zip(names, files, strict=True):
+            runs = _by_shards(f, "memory")
+            mmap = runs[min(runs)][0].get("malloc_mmap_threshold")
+            malloc = f"`MALLOC_MMAP_THRESHOLD_={mmap}`" if mmap else "glibc's default malloc"
+            lines.append(_row([f"{malloc} (`benchmarks/results/{name}`)", *[""] * 5]))
+            peak = {s: [max(r["peak_rss_MiB"]) for r in rs] for s, rs in runs.items()}
+            step = {s: [r["step_s"] for r in rs] for s, rs in runs.items()}
+            peak1, step1 = (statistics.median(x[min(runs)]) for x in (peak, step))
+            for s, rs in runs.items():
+                ratio = f"{statistics.median(peak[s]) / peak1:.3f}"
+                cells = [str(s), _spread(peak[s], ".0f"), f"**{ratio}**" if s > 1 else ratio]
+                cells += [f"{rs[0]['estimate_with_process_MiB']:.0f}", _spread(step[s], ".1f")]
+                lines.append(_row([*cells, f"{statistics.median(step[s]) / step1:.2f}"]))
+        return "\n".join(lines)
+
+    return render
+
+
+def sharding_bytes(files: list[dict]) -> str:
+    """Outer bytes one process sent per round, per S (the median over repetitions)."""
+    runs = _by_shards(files[0], "bytes")
+    sent = {
+        s: statistics.median(statistics.mean(r["outer_bytes"]) for r in rs)
+        for s, rs in runs.items()
+    }
+    lines = ["| S | outer bytes per process per round (counted) | x S=1 |", "|---|---|---|"]
+    for s, x in sent.items():
+        lines.append(_row([str(s), f"{x:,.0f}", f"{x / sent[min(sent)]:.3f}"]))
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Seeds:
     """Three seeds per method at one H: seed 0 from the `first` files, the other seeds from
@@ -662,6 +718,12 @@ TABLES = {
     "forge-gpu-steps": Table("docs/forge.md", ("forge_gpu_h100.json",), forge_gpu_steps),
     "forge-gpu-kernel": Table("docs/forge.md", ("forge_gpu_h100.json",), forge_gpu_kernel),
     "forge-gpu-targets": Table("docs/forge.md", ("forge_gpu_h100.json",), forge_gpu_targets),
+    "sharding-memory": Table(
+        "docs/sharding.md",
+        ("sharding.json", "sharding_mmap128k.json"),
+        sharding_memory(("sharding.json", "sharding_mmap128k.json")),
+    ),
+    "sharding-bytes": Table("docs/sharding.md", ("sharding.json",), sharding_bytes),
 }
 
 
