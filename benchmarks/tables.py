@@ -38,7 +38,7 @@ from link_probe import table as link_probe_table  # noqa: E402
 @dataclass(frozen=True)
 class Table:
     doc: str  # Markdown file, relative to the repository root
-    files: tuple[str, ...]  # result files under benchmarks/results/
+    files: tuple[str, ...]  # under benchmarks/results/, or from the root when a path (docs/...)
     render: Callable[[list[dict]], str]  # the files' JSON -> the table's Markdown
 
 
@@ -468,6 +468,51 @@ def sharding_bytes(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def netlab_probe(files: list[dict]) -> str:
+    """The link probe each rate's runs recorded (netlab.json): the all-reduce and the pair
+    exchange of S bytes, measured, beside their nominal times 1.5 S / B and S / B."""
+    probes = {r["rate_mbit"]: r["link_probe_measured"] for r in files[0]}
+    lines = [
+        "| tbf rate | all-reduce of S (nominal 1.5 S / B) | effective "
+        "| pair exchange of S (nominal S / B) | effective |",
+        "|---|---|---|---|---|",
+    ]
+    for rate, p in probes.items():
+        nominal = p["bytes"] * 8 / (rate * 1e6)
+        cells = [f"{rate:g} Mbit/s", f"{p['allreduce_s_measured']:.3f} s ({1.5 * nominal:.3f} s)"]
+        cells += [f"{p['allreduce_effective_bps'] / 1e6:.1f} Mbit/s"]
+        cells += [f"{p['pair_exchange_s_measured']:.3f} s ({nominal:.3f} s)"]
+        lines.append(_row([*cells, f"{p['pair_effective_bps'] / 1e6:.1f} Mbit/s"]))
+    return "\n".join(lines)
+
+
+def netlab_utilization(files: list[dict]) -> str:
+    """Measured utilization on the rate-limited links beside each prediction (netlab.json), with
+    the measured figure relative to each prediction."""
+
+    def against(pred: float, measured: float, digits: int = 0) -> str:
+        return f"{pred:.3f} ({(measured / pred - 1) * 100:+.{digits}f}%)"
+
+    lines = [
+        "| rate | method | step c (s), measured | r (probed) | **U measured** "
+        "| closed form, probed link | simulator, probed link | simulator, measured inputs "
+        "| closed form, nominal link | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in files[0]:
+        u = r["measured"]["U"]
+        cells = [f"{r['rate_mbit']:g} Mbit/s", r["method"], f"{r['measured']['step_s']:.3f}"]
+        cells += [f"{r['r_probe_estimated']:.2f}", f"**{u:.3f}**"]
+        cells += [
+            against(r["U_closed_form_probe_estimated"], u),
+            against(r["U_simulated_probe"], u),
+        ]
+        cells += [against(r["U_simulated_measured_inputs"], u, 1)]
+        cells += [against(r["U_closed_form_nominal_estimated"], u)]
+        lines.append(_row([*cells, f"{r['load_avg_1min_before']:.1f}"]))
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Seeds:
     """Three seeds per method at one H: seed 0 from the `first` files, the other seeds from
@@ -724,6 +769,10 @@ TABLES = {
         sharding_memory(("sharding.json", "sharding_mmap128k.json")),
     ),
     "sharding-bytes": Table("docs/sharding.md", ("sharding.json",), sharding_bytes),
+    "netlab-probe": Table("docs/results/netlab.md", ("docs/results/netlab.json",), netlab_probe),
+    "netlab-utilization": Table(
+        "docs/results/netlab.md", ("docs/results/netlab.json",), netlab_utilization
+    ),
 }
 
 
@@ -741,7 +790,7 @@ def regenerate(text: str, name: str, table: Table, results: Path = RESULTS) -> s
     span = _span(name)
     if not span.search(text):
         raise ValueError(f"{table.doc}: no markers for table {name!r}; add them around it")
-    files = [json.loads((results / f).read_text()) for f in table.files]
+    files = [json.loads(((ROOT if "/" in f else results) / f).read_text()) for f in table.files]
     body = table.render(files) + "\n"
     return span.sub(lambda m: m.group(1) + textwrap.indent(body, m.group(4)) + m.group(3), text)
 
