@@ -121,6 +121,19 @@ def compression_long(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sim_scale(files: list[dict]) -> str:
+    """Simulated worker-steps per real second: threads, the loop and vmap, and their ratios."""
+    lines = [
+        "| M | threads (worker-steps/s) | loop | vmap | threads / loop | vmap / loop |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in files[0]["rows"]:
+        rates = [f"{r[k]['worker_steps_per_s']:.1f}" for k in ("threads", "loop", "vmap")]
+        ratios = [f"{r[k]:.2f}" for k in ("ratio_threads_over_loop", "ratio_vmap_over_loop")]
+        lines.append(_row([str(r["M"]), *rates, *ratios]))
+    return "\n".join(lines)
+
+
 SUBSET = "M2pairs:embed+head+blocks:1"
 FGD_METHODS = ("diloco", "GlobalM1", "GlobalM1LocalM2", SUBSET)
 _ALIAS = {"subset": SUBSET, "M2pairs_embed-head-blocks_1": SUBSET}
@@ -711,6 +724,7 @@ TABLES = {
         + ("compression_h10_s0.json", "compression_h10_s12.json"),
         compression_real,
     ),
+    "sim-scale": Table("docs/results/fgd.md", ("sim_scale.json",), sim_scale),
     "fgd-ablation": Table("docs/results/fgd.md", ("fgd_ablation_h10.json",), fgd_ablation),
     "fgd-lr-grid-h10": Table(
         "docs/results/fgd.md",
