@@ -225,6 +225,183 @@ def fgd_momentum_grid(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Seeds:
+    """Three seeds per method at one H: seed 0 from the `first` files, the other seeds from
+    `rest`; `rows` are (label, run name in `first`, run name in `rest`), DiLoCo first (the
+    ratios' reference, paired by seed)."""
+
+    H: int
+    first: tuple[str, ...]
+    rest: str
+    rows: tuple[tuple[str, str, str], ...]
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (*self.first, self.rest)
+
+    def runs(self, data: dict[str, dict], row: int) -> dict[int, tuple[str, dict]]:
+        """Seed -> (result file, run) of row `row`; `data` maps file names to their JSON."""
+        _, a, b = self.rows[row]
+        pick = [(n, a) for n in self.first] + [(self.rest, b)]
+        return {
+            r["seed"]: (n, r)
+            for n, m in pick
+            for r in data[n]["runs"]
+            if r["method"] == m and r["H"] == self.H
+        }
+
+    def ratios(self, data: dict[str, dict], row: int, key: str) -> dict[int, float]:
+        """Seed -> row `row`'s `key` over DiLoCo's of the same seed."""
+        ref, got = self.runs(data, 0), self.runs(data, row)
+        return {s: got[s][1][key] / ref[s][1][key] for s in sorted(got)}
+
+
+def _named(names: tuple[str, ...], render: Callable[[dict[str, dict]], str]) -> Callable:
+    """A render of the files' JSON by name, as Table wants it (the JSON in `names`' order)."""
+    return lambda files: render(dict(zip(names, files, strict=True)))
+
+
+def _unique(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def fgd_seeds(head: str, spec: Seeds, bold: bool = False) -> Table:
+    """Mean ± std over seeds of each row's losses and ratios to DiLoCo; with `bold`, a ratio
+    whose mean is at most 1.01 is in bold."""
+
+    def render(data: dict[str, dict]) -> str:
+        lines = [
+            f"| {head} | val loss (workers) | avg-model loss | workers vs DiLoCo "
+            "| avg model vs DiLoCo | utilization at r = 0.887 (estimated) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for i, (label, _, _) in enumerate(spec.rows):
+            runs = [run for _, (_, run) in sorted(spec.runs(data, i).items())]
+            cells = [_ms([r[k] for r in runs]) for k in ("loss_val", "loss_val_avg_model")]
+            for k in ("loss_val", "loss_val_avg_model"):
+                ratio = list(spec.ratios(data, i, k).values())
+                keep = bold and i > 0 and round(statistics.mean(ratio), 4) <= 1.01
+                cells.append(f"**{_ms(ratio)}**" if keep else _ms(ratio))
+            lines.append(_row([label, *cells, f"{runs[0]['util_r0887']:.3f}"]))
+        return "\n".join(lines)
+
+    return Table("docs/results/fgd.md", spec.files, _named(spec.files, render))
+
+
+def _verdict_cell(ratios: dict[int, float]) -> str:
+    """Mean ± std (bold where the mean is at most 1.01), then the worst seed."""
+    cell = _ms(list(ratios.values()))
+    worst = max(ratios, key=ratios.get)
+    cell = f"**{cell}**" if round(statistics.mean(ratios.values()), 4) <= 1.01 else cell
+    return f"{cell}, {ratios[worst]:.4f} (seed {worst})"
+
+
+VerdictRow = tuple[Seeds, int, str, Seeds | None]  # spec, its row, "lr, momentum", real runs
+
+
+def fgd_verdict(rows: tuple[VerdictRow, ...]) -> Table:
+    """One method against DiLoCo per setting: the ratios' mean and worst seed, the files they
+    come from; a setting rerun as real processes says whether those give the same cells."""
+    names = _unique(
+        tuple(n for spec, _, _, real in rows for n in spec.files + (real or spec).files)
+    )
+
+    def render(data: dict[str, dict]) -> str:
+        lines = [
+            "| H (rounds) | GlobalM1LocalM2's outer lr, momentum | workers: mean, worst seed "
+            "| averaged: mean, worst seed | files |",
+            "|---|---|---|---|---|",
+        ]
+        for spec, i, setting, real in rows:
+            cells = [
+                _verdict_cell(spec.ratios(data, i, k)) for k in ("loss_val", "loss_val_avg_model")
+            ]
+            used = {n for j in (0, i) for n, _ in spec.runs(data, j).values()}
+            files = ", ".join(f"`{n}`" for n in spec.files if n in used)
+            if real:
+                again = [
+                    _verdict_cell(real.ratios(data, 1, k))
+                    for k in ("loss_val", "loss_val_avg_model")
+                ]
+                same = "the same" if again == cells else f"{again[0]}; {again[1]}"
+                files += f" (real processes: `{real.rest}`, {same})"
+            steps = data[spec.rest]["steps"]
+            lines.append(_row([f"{spec.H} ({steps // spec.H})", setting, *cells, files]))
+        return "\n".join(lines)
+
+    return Table("docs/results/fgd.md", names, _named(names, render))
+
+
+SUB_S0 = "M2pairs_embed-head-blocks_1"
+TUNED_H10 = Seeds(
+    10,
+    ("fgd_lr_grid_h10.json",),
+    "fgd_tuned_h10_seeds12.json",
+    (
+        ("diloco (0.35)", "diloco-lr0.35", "diloco-t"),
+        ("GlobalM1 (0.35)", "GlobalM1-lr0.35", "GlobalM1-t"),
+        ("GlobalM1LocalM2 (0.5)", "GlobalM1LocalM2-lr0.5", "GlobalM1LocalM2-t"),
+        (f"{SUBSET} (0.35)", f"{SUB_S0}-lr0.35", "subset-t"),
+    ),
+)
+TUNED_H50 = Seeds(
+    50,
+    ("fgd_lr_grid_h50_h100.json",),
+    "fgd_tuned_h50_seeds12.json",
+    (
+        ("diloco (0.7)", "diloco", "diloco"),
+        ("GlobalM1 (0.5)", "GlobalM1-lr0.5", "GlobalM1-t"),
+        ("GlobalM1LocalM2 (0.7)", "GlobalM1LocalM2", "GlobalM1LocalM2"),
+        (f"{SUBSET} (0.7)", SUBSET, SUBSET),
+    ),
+)
+REAL_H50 = Seeds(  # the same cells as real processes, every seed in one file
+    50,
+    (),
+    "fgd_real_h50.json",
+    (("diloco", "", "diloco"), ("GlobalM1LocalM2", "", "GlobalM1LocalM2")),
+)
+TUNED_H100 = Seeds(
+    100,
+    ("fgd_lr_grid_h50_h100.json",),
+    "fgd_tuned_h100_seeds12.json",
+    (
+        ("diloco (1.0)", "diloco-lr1.0", "diloco-t"),
+        ("GlobalM1 (0.5)", "GlobalM1-lr0.5", "GlobalM1-t"),
+        ("GlobalM1LocalM2 (1.0)", "GlobalM1LocalM2-lr1.0", "GlobalM1LocalM2-t"),
+        (f"{SUBSET} (1.0)", f"{SUB_S0}-lr1.0", "subset-t"),
+    ),
+)
+MOMENTUM_H10 = Seeds(
+    10,
+    ("fgd_momentum_h10.json",),
+    "fgd_momentum_h10_seeds12.json",
+    tuple(
+        (label, name, name)
+        for label, name in (
+            ("diloco (0.35, mu 0.8)", "diloco-mu0.8"),
+            ("GlobalM1LocalM2 (0.5, mu 0.8)", "GlobalM1LocalM2-mu0.8"),
+            (f"{SUBSET} (0.35, mu 0.8)", "subset-mu0.8"),
+        )
+    ),
+)
+MOMENTUM_H50 = Seeds(
+    50,
+    ("fgd_momentum_h50_h100.json", "fgd_momentum_h50_fill.json"),
+    "fgd_momentum_h50_seeds12.json",
+    tuple(
+        (label, name, name)
+        for label, name in (
+            ("diloco (1.0)", "diloco-m8-lr1"),
+            ("GlobalM1 (0.5)", "GlobalM1-m8-lr05"),
+            ("GlobalM1LocalM2 (0.7)", "GlobalM1LocalM2-m8-lr07"),
+            (f"{SUBSET} (0.7)", "subset-m8-lr07"),
+        )
+    ),
+)
+
+
 def _rows(files: list[dict]) -> list[dict]:
     """The rows of every file, grouped by size in order of first appearance, then by tokens."""
     rows = [r for f in files for r in f["rows"]]
@@ -524,183 +701,6 @@ def netlab_utilization(files: list[dict]) -> str:
         cells += [against(r["U_closed_form_nominal_estimated"], u)]
         lines.append(_row([*cells, f"{r['load_avg_1min_before']:.1f}"]))
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Seeds:
-    """Three seeds per method at one H: seed 0 from the `first` files, the other seeds from
-    `rest`; `rows` are (label, run name in `first`, run name in `rest`), DiLoCo first (the
-    ratios' reference, paired by seed)."""
-
-    H: int
-    first: tuple[str, ...]
-    rest: str
-    rows: tuple[tuple[str, str, str], ...]
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return (*self.first, self.rest)
-
-    def runs(self, data: dict[str, dict], row: int) -> dict[int, tuple[str, dict]]:
-        """Seed -> (result file, run) of row `row`; `data` maps file names to their JSON."""
-        _, a, b = self.rows[row]
-        pick = [(n, a) for n in self.first] + [(self.rest, b)]
-        return {
-            r["seed"]: (n, r)
-            for n, m in pick
-            for r in data[n]["runs"]
-            if r["method"] == m and r["H"] == self.H
-        }
-
-    def ratios(self, data: dict[str, dict], row: int, key: str) -> dict[int, float]:
-        """Seed -> row `row`'s `key` over DiLoCo's of the same seed."""
-        ref, got = self.runs(data, 0), self.runs(data, row)
-        return {s: got[s][1][key] / ref[s][1][key] for s in sorted(got)}
-
-
-def _named(names: tuple[str, ...], render: Callable[[dict[str, dict]], str]) -> Callable:
-    """A render of the files' JSON by name, as Table wants it (the JSON in `names`' order)."""
-    return lambda files: render(dict(zip(names, files, strict=True)))
-
-
-def _unique(names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(names))
-
-
-def fgd_seeds(head: str, spec: Seeds, bold: bool = False) -> Table:
-    """Mean ± std over seeds of each row's losses and ratios to DiLoCo; with `bold`, a ratio
-    whose mean is at most 1.01 is in bold."""
-
-    def render(data: dict[str, dict]) -> str:
-        lines = [
-            f"| {head} | val loss (workers) | avg-model loss | workers vs DiLoCo "
-            "| avg model vs DiLoCo | utilization at r = 0.887 (estimated) |",
-            "|---|---|---|---|---|---|",
-        ]
-        for i, (label, _, _) in enumerate(spec.rows):
-            runs = [run for _, (_, run) in sorted(spec.runs(data, i).items())]
-            cells = [_ms([r[k] for r in runs]) for k in ("loss_val", "loss_val_avg_model")]
-            for k in ("loss_val", "loss_val_avg_model"):
-                ratio = list(spec.ratios(data, i, k).values())
-                keep = bold and i > 0 and round(statistics.mean(ratio), 4) <= 1.01
-                cells.append(f"**{_ms(ratio)}**" if keep else _ms(ratio))
-            lines.append(_row([label, *cells, f"{runs[0]['util_r0887']:.3f}"]))
-        return "\n".join(lines)
-
-    return Table("docs/results/fgd.md", spec.files, _named(spec.files, render))
-
-
-def _verdict_cell(ratios: dict[int, float]) -> str:
-    """Mean ± std (bold where the mean is at most 1.01), then the worst seed."""
-    cell = _ms(list(ratios.values()))
-    worst = max(ratios, key=ratios.get)
-    cell = f"**{cell}**" if round(statistics.mean(ratios.values()), 4) <= 1.01 else cell
-    return f"{cell}, {ratios[worst]:.4f} (seed {worst})"
-
-
-VerdictRow = tuple[Seeds, int, str, Seeds | None]  # spec, its row, "lr, momentum", real runs
-
-
-def fgd_verdict(rows: tuple[VerdictRow, ...]) -> Table:
-    """One method against DiLoCo per setting: the ratios' mean and worst seed, the files they
-    come from; a setting rerun as real processes says whether those give the same cells."""
-    names = _unique(
-        tuple(n for spec, _, _, real in rows for n in spec.files + (real or spec).files)
-    )
-
-    def render(data: dict[str, dict]) -> str:
-        lines = [
-            "| H (rounds) | GlobalM1LocalM2's outer lr, momentum | workers: mean, worst seed "
-            "| averaged: mean, worst seed | files |",
-            "|---|---|---|---|---|",
-        ]
-        for spec, i, setting, real in rows:
-            cells = [
-                _verdict_cell(spec.ratios(data, i, k)) for k in ("loss_val", "loss_val_avg_model")
-            ]
-            used = {n for j in (0, i) for n, _ in spec.runs(data, j).values()}
-            files = ", ".join(f"`{n}`" for n in spec.files if n in used)
-            if real:
-                again = [
-                    _verdict_cell(real.ratios(data, 1, k))
-                    for k in ("loss_val", "loss_val_avg_model")
-                ]
-                same = "the same" if again == cells else f"{again[0]}; {again[1]}"
-                files += f" (real processes: `{real.rest}`, {same})"
-            steps = data[spec.rest]["steps"]
-            lines.append(_row([f"{spec.H} ({steps // spec.H})", setting, *cells, files]))
-        return "\n".join(lines)
-
-    return Table("docs/results/fgd.md", names, _named(names, render))
-
-
-SUB_S0 = "M2pairs_embed-head-blocks_1"
-TUNED_H10 = Seeds(
-    10,
-    ("fgd_lr_grid_h10.json",),
-    "fgd_tuned_h10_seeds12.json",
-    (
-        ("diloco (0.35)", "diloco-lr0.35", "diloco-t"),
-        ("GlobalM1 (0.35)", "GlobalM1-lr0.35", "GlobalM1-t"),
-        ("GlobalM1LocalM2 (0.5)", "GlobalM1LocalM2-lr0.5", "GlobalM1LocalM2-t"),
-        (f"{SUBSET} (0.35)", f"{SUB_S0}-lr0.35", "subset-t"),
-    ),
-)
-TUNED_H50 = Seeds(
-    50,
-    ("fgd_lr_grid_h50_h100.json",),
-    "fgd_tuned_h50_seeds12.json",
-    (
-        ("diloco (0.7)", "diloco", "diloco"),
-        ("GlobalM1 (0.5)", "GlobalM1-lr0.5", "GlobalM1-t"),
-        ("GlobalM1LocalM2 (0.7)", "GlobalM1LocalM2", "GlobalM1LocalM2"),
-        (f"{SUBSET} (0.7)", SUBSET, SUBSET),
-    ),
-)
-REAL_H50 = Seeds(  # the same cells as real processes, every seed in one file
-    50,
-    (),
-    "fgd_real_h50.json",
-    (("diloco", "", "diloco"), ("GlobalM1LocalM2", "", "GlobalM1LocalM2")),
-)
-TUNED_H100 = Seeds(
-    100,
-    ("fgd_lr_grid_h50_h100.json",),
-    "fgd_tuned_h100_seeds12.json",
-    (
-        ("diloco (1.0)", "diloco-lr1.0", "diloco-t"),
-        ("GlobalM1 (0.5)", "GlobalM1-lr0.5", "GlobalM1-t"),
-        ("GlobalM1LocalM2 (1.0)", "GlobalM1LocalM2-lr1.0", "GlobalM1LocalM2-t"),
-        (f"{SUBSET} (1.0)", f"{SUB_S0}-lr1.0", "subset-t"),
-    ),
-)
-MOMENTUM_H10 = Seeds(
-    10,
-    ("fgd_momentum_h10.json",),
-    "fgd_momentum_h10_seeds12.json",
-    tuple(
-        (label, name, name)
-        for label, name in (
-            ("diloco (0.35, mu 0.8)", "diloco-mu0.8"),
-            ("GlobalM1LocalM2 (0.5, mu 0.8)", "GlobalM1LocalM2-mu0.8"),
-            (f"{SUBSET} (0.35, mu 0.8)", "subset-mu0.8"),
-        )
-    ),
-)
-MOMENTUM_H50 = Seeds(
-    50,
-    ("fgd_momentum_h50_h100.json", "fgd_momentum_h50_fill.json"),
-    "fgd_momentum_h50_seeds12.json",
-    tuple(
-        (label, name, name)
-        for label, name in (
-            ("diloco (1.0)", "diloco-m8-lr1"),
-            ("GlobalM1 (0.5)", "GlobalM1-m8-lr05"),
-            ("GlobalM1LocalM2 (0.7)", "GlobalM1LocalM2-m8-lr07"),
-            (f"{SUBSET} (0.7)", "subset-m8-lr07"),
-        )
-    ),
-)
 
 
 TABLES = {
