@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import provenance
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -91,6 +92,16 @@ def _configs(quick: bool) -> list[dict]:
                         }
                     )
     return out
+
+
+def _name(cfg: dict) -> str:
+    L, d, s, b = (cfg[k] for k in ("n_layer", "n_embd", "seq_len", "batch_size"))
+    return f"{cfg['arch']}-L{L}-d{d}-s{s}-b{b}"
+
+
+def _sets(cfg: dict) -> list[str]:
+    """A configuration as `key=value` strings (the variant's overrides)."""
+    return [f"{k}={v}" for k, v in cfg.items()]
 
 
 def _step_fn(cfg: dict):
@@ -168,13 +179,14 @@ def main() -> None:
     ap.add_argument("--min-window", type=float, default=0.2, help="s per timed repeat")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    configs = _configs(args.quick)
+    record = provenance.start("measured", variants={_name(c): _sets(c) for c in configs})
     torch.set_num_threads(1)  # 2 shared cores: one thread keeps the timings steadier
     prof = calibrate_cpu_profile(seconds=1.0, threads=1)
     print(
         f"local CPU profile (measured, 1 thread): {prof.peak_flops / 1e9:.1f} GFLOP/s fp32 "
         f"matmul, {prof.mem_bw / 1e9:.1f} GB/s copy"
     )
-    configs = _configs(args.quick)
     random.Random(args.seed).shuffle(configs)  # decorrelate machine drift from configuration
     t0 = time.perf_counter()
     records = [normalize(r) for r in measure_all(configs, args.repeats, args.min_window, args.seed)]
@@ -237,6 +249,8 @@ def main() -> None:
         "ceilings": model.ceilings(),
         "target_mape": 0.20,
     }  # fmt: skip
+    provenance.finish(record)
+    summary = record | summary | {"machine": record["machine"] | summary["machine"]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {RESULTS / stem}.json and .jsonl")
 
