@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import provenance  # noqa: E402
 from fgd_real_text import base_config, summarize  # noqa: E402  (the shared job)
 
 from frugaltrain.comm.compress import is_sparse  # noqa: E402
@@ -154,17 +155,27 @@ def main(argv: list[str] | None = None) -> None:
     raw, rows = base_config("gpt", ""), []
     common = [f"run.steps={args.steps}", f"outer.H={args.H}", f"run.eval_every={args.steps}"]
     clock = "measured (real processes)" if args.runtime == "real" else "simulated runtime"
-    result = {
+    seeds = [int(s) for s in args.seeds.split(",")]
+    cell_sets = {  # each cell's overrides but the run's seed, name and temporary directory
+        (m, c): [*method_overrides(m), *common, f"outer.codec={c!r}"]
+        + [*OUTER.get((m, is_sparse(c)), []), *args.set]
+        for m in methods
+        for c in codecs
+    }
+    result = provenance.start(
+        "measured" if args.runtime == "real" else "simulated",
+        variants={f"{m} {c}": v for (m, c), v in cell_sets.items()},
+    )
+    result |= {
         "clock": clock,
         "utilization": f"simulated at r = {RATIO}" if args.runtime == "sim" else "measured",
         "steps": args.steps,
         "H": args.H,
         "outer": {f"{m} {'sparse' if k else 'dense'}": v for (m, k), v in OUTER.items()},
         "runs": rows,
-        "loadavg_before": os.getloadavg(),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in [int(s) for s in args.seeds.split(",")]:
+        for seed in seeds:
             for m in methods:
                 for c in codecs:
                     name = f"{m}-{c}-s{seed}".replace(":", "_").replace("+", "-")
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         + (f"simulated at r = {RATIO}" if args.runtime == "sim" else "measured on this machine")
     )
     print(table(rows, methods, codecs))
-    result["loadavg_after"] = os.getloadavg()
+    provenance.finish(result)
     write(result, args.out)
     print(f"wrote {args.out}")
 
