@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import provenance
 
 from frugaltrain.config import Config, build_config, read_toml
 from frugaltrain.metrics.log import read_metrics
@@ -185,7 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     seeds, Hs = [int(s) for s in args.seeds.split(",")], [int(h) for h in args.H.split(",")]
     ensure_shards(args.data)
     raw, rows = base_config(args.model, args.data), []
-    load_before = os.getloadavg()
+    shared = [f"run.steps={args.steps}", *args.set]  # outer.H, eval_every, seed: runs[].sets
+    record = provenance.start(
+        "measured" if args.runtime == "real" else "simulated",
+        variants={m: [*shared, *overrides_of(m, variants)] for m in methods},
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for H in Hs:
             every = max(H, args.steps // args.evals // H * H)
@@ -205,15 +210,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nfinal validation loss ({clock}), 4 workers, {args.steps} steps, {args.model}")
     for H in Hs:
         print("\n" + table(rows, H, methods, seeds))
-    result = {
+    provenance.finish(record)
+    result = record | {
         "clock": clock,
         "utilization": "estimated (closed forms at r = 0.887)",
         "model": args.model,
         "data": args.data or "stdlib bytes",
         "steps": args.steps,
         "runs": rows,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
