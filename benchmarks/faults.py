@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import provenance
 
 from frugaltrain.config import Config, build_config
 from frugaltrain.metrics.log import read_metrics
@@ -94,16 +95,27 @@ def run(sets: list[str], out_dir: str, name: str) -> dict:
     }
 
 
-def matrix(args, tmp: str) -> list[dict]:
-    rows = []
+def matrix_variants(args) -> dict[str, list[str]]:
+    """Each matrix run's name -> its overrides (beside JOB): per strategy, clean then faults."""
+    out = {}
     base = ["run.workers=3", f"run.steps={4 * args.rounds}", f"run.eval_every={4 * args.rounds}"]
     slow = f"slow:seconds={args.sleep}"
     for strategy in args.strategies.split(","):
         sets = [*base, *STRATEGIES[strategy]]
-        clean = run([*sets, f"fault_tolerance.inject={slow!r}"], tmp, f"{strategy}-clean")
+        out[f"{strategy}-clean"] = [*sets, f"fault_tolerance.inject={slow!r}"]
         for fault in args.faults.split(","):
             spec = f"{FAULTS[fault]};{slow}"
-            got = run([*sets, f"fault_tolerance.inject={spec!r}"], tmp, f"{strategy}-{fault}")
+            out[f"{strategy}-{fault}"] = [*sets, f"fault_tolerance.inject={spec!r}"]
+    return out
+
+
+def matrix(args, tmp: str) -> list[dict]:
+    rows, variants = [], matrix_variants(args)
+    for strategy in args.strategies.split(","):
+        clean = run(variants[f"{strategy}-clean"], tmp, f"{strategy}-clean")
+        for fault in args.faults.split(","):
+            name = f"{strategy}-{fault}"
+            got = run(variants[name], tmp, name)
             rows.append(
                 {
                     "strategy": strategy,
@@ -139,15 +151,25 @@ def soak_spec(rounds: int, seed: int, workers: int) -> str:
     return ";".join(specs)
 
 
-def soak(args, tmp: str) -> dict:
+def soak_variants(args) -> dict[str, list[str]]:
+    """The soak's two runs (clean, faulted) -> their overrides (beside JOB)."""
     rounds, workers = args.soak_rounds, 4
     sets = [f"run.workers={workers}", f"run.steps={4 * rounds}", f"run.eval_every={4 * rounds}"]
     sets.append(f"fault_tolerance.max_restarts={rounds // 10}")  # a worker may meet every fault
     sets += STRATEGIES[args.soak_strategy]
     slow = f"slow:seconds={args.sleep}"
     spec = soak_spec(rounds, args.seed, workers)
-    clean = run([*sets, f"fault_tolerance.inject={slow!r}"], tmp, "soak-clean")
-    got = run([*sets, f"fault_tolerance.inject={spec + ';' + slow!r}"], tmp, "soak-faulted")
+    return {
+        "soak-clean": [*sets, f"fault_tolerance.inject={slow!r}"],
+        "soak-faulted": [*sets, f"fault_tolerance.inject={spec + ';' + slow!r}"],
+    }
+
+
+def soak(args, tmp: str) -> dict:
+    rounds, variants = args.soak_rounds, soak_variants(args)
+    spec = soak_spec(rounds, args.seed, 4)
+    clean = run(variants["soak-clean"], tmp, "soak-clean")
+    got = run(variants["soak-faulted"], tmp, "soak-faulted")
     out = {"strategy": args.soak_strategy, "rounds": rounds, "spec": spec, "clean": clean}
     out |= {"faulted": got, "overhead": got["wall_s"] / clean["wall_s"]}
     out["loss_ratio"] = got["loss_val"] / clean["loss_val"]
@@ -176,7 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    result = {"clock": "measured", "loadavg_before": os.getloadavg(), "args": vars(args)}
+    variants = matrix_variants(args) if args.faults and args.strategies else {}
+    variants |= soak_variants(args) if args.soak_rounds else {}
+    result = provenance.start("measured", variants={k: [*JOB, *v] for k, v in variants.items()})
+    result |= {"clock": "measured", "args": vars(args)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         if args.faults and args.strategies:
@@ -186,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))  # kept if the soak fails
         if args.soak_rounds:
             result["soak"] = soak(args, tmp)
-    result["loadavg_after"] = os.getloadavg()
+    provenance.finish(result)
     if result.get("matrix"):
         over = [r["overhead"] for r in result["matrix"]]
         print(f"overhead median {statistics.median(over):.2f}x, max {max(over):.2f}x")
