@@ -34,7 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from provenance import machine_info
+import provenance
+from provenance import machine_info  # noqa: F401  (tests/flow read the machine block here)
 
 from frugaltrain.config import ConfigError, build_config
 from frugaltrain.flow.alloc import even_split, profile, solve_milp
@@ -138,14 +139,16 @@ def bench(
     workloads: list[str] | None = None,
     ablations: bool = False,
     note: str = "",
+    sets: list[str] | None = None,
     log=print,
     partial: str | Path | None = None,
 ) -> dict:
     """Interleaved runs of the variants on each workload (measured), the allocator's prediction
-    beside them, and the simulator validated against them and projected (simulated)."""
+    beside them, and the simulator validated against them and projected (simulated). `sets`:
+    the overrides `cfg` was loaded with (recorded in each variant's overrides)."""
+    result = provenance.start("measured", note=note)
     peak = calibrate_matmul_flops()
-    result: dict = {
-        "machine": machine_info(note),
+    result |= {
         "measured.gemm_flops_per_core": peak,
         "config": dataclasses.asdict(cfg),
         "reps": reps,
@@ -154,19 +157,31 @@ def bench(
         "workloads": {},
     }
     for wl in workloads or list(WORKLOADS):
-        result["workloads"][wl] = _bench_workload(cfg, wl, reps, ablations, peak, log)
+        wcfg = with_sets(cfg, WORKLOADS[wl])
+        ds = build_dataset(wcfg)
+        slots = min_slots(make_plans(wcfg, ds), wcfg.run.producers, "flow")
+        variants = _variants(slots, ablations)
+        result["variants"] |= {
+            f"{wl} {name}": [*(sets or []), *WORKLOADS[wl], *v] for name, v in variants.items()
+        }
+        result["workloads"][wl] = _bench_workload(cfg, wcfg, ds, variants, wl, reps, peak, log)
         if partial:
             write(result, partial)  # a later failure must not lose the finished workloads
-    return result
+    return provenance.finish(result)
 
 
 def _bench_workload(
-    cfg: FlowConfig, wl: str, reps: int, ablations: bool, peak: float, log: Callable
+    cfg: FlowConfig,
+    wcfg: FlowConfig,
+    ds: CaptionSet,
+    variants: dict[str, list[str]],
+    wl: str,
+    reps: int,
+    peak: float,
+    log: Callable,
 ) -> dict:
-    """One workload: warm-up profile, interleaved runs, their summary, the simulator."""
-    wcfg = with_sets(cfg, WORKLOADS[wl])
-    ds = build_dataset(wcfg)
-    variants = _variants(min_slots(make_plans(wcfg, ds), wcfg.run.producers, "flow"), ablations)
+    """One workload (`wcfg`, its dataset and variants): warm-up profile, interleaved runs, their
+    summary, the simulator."""
     log(f"[{wl}] profiling (measured warm-up)")
     prof = profile(wcfg, 2, wcfg.alloc.profile_steps)
     runs: dict[str, list[dict]] = {k: [] for k in variants}
@@ -414,17 +429,37 @@ def _projection_row(cfg: FlowConfig, R: int, r1: dict, kw: dict, per_device: int
 # ------------------------------------------------------------------- allocator check
 
 
-def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=print) -> dict:
+def alloc_check(
+    cfg: FlowConfig,
+    *,
+    workload: str,
+    budget: int,
+    reps: int,
+    sets: list[str] | None = None,
+    log=print,
+) -> dict:
     """Run the allocator's plan and the even split for real at `budget` worker slots, interleaved,
     and report predicted vs measured samples/s. Above the core count this oversubscribes, which
-    the linear-replica model does not know about; the result says so."""
+    the linear-replica model does not know about; the result says so. `sets`: the overrides
+    `cfg` was loaded with (recorded in each plan's overrides)."""
+    out = provenance.start("measured")
     wcfg = with_sets(cfg, WORKLOADS[workload])
     prof = profile(wcfg, 1, wcfg.alloc.profile_steps)
     rho = {"encoder": {1: prof["rho"]["encoder"][1]}, "backbone": {1: prof["rho"]["backbone"][1]}}
     gb = wcfg.data.global_batch
     plans_ = {"milp": solve_milp(rho, budget, gb), "even": even_split(rho, budget, gb)}
-    out: dict = {
-        "machine": machine_info(),
+    plan_sets = {
+        name: [
+            "run.mode='flow'",
+            f"run.producers={p.encoder.replicas}",
+            f"run.consumers={p.backbone.replicas}",
+        ]
+        for name, p in plans_.items()
+    }
+    out["variants"] = {
+        name: [*(sets or []), *WORKLOADS[workload], *v] for name, v in plan_sets.items()
+    }
+    out |= {
         "workload": workload,
         "budget": budget,
         "oversubscribed": budget > len(os.sched_getaffinity(0)),
@@ -433,14 +468,7 @@ def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=p
     thr: dict[str, list[float]] = {k: [] for k in plans_}
     for rep in range(reps):
         for name, p in plans_.items():
-            vcfg = with_sets(
-                wcfg,
-                [
-                    "run.mode='flow'",
-                    f"run.producers={p.encoder.replicas}",
-                    f"run.consumers={p.backbone.replicas}",
-                ],
-            )
+            vcfg = with_sets(wcfg, plan_sets[name])
             pl = make_plans(vcfg, build_dataset(vcfg))
             m = measure(vcfg, pl, run(vcfg, pl), 0.0)
             thr[name].append(m["measured.samples_per_s"])
@@ -450,7 +478,7 @@ def alloc_check(cfg: FlowConfig, *, workload: str, budget: int, reps: int, log=p
             )
     for name, p in plans_.items():
         out[name] = {**p.to_dict(), "measured.samples_per_s": _stats(thr[name])}
-    return out
+    return provenance.finish(out)
 
 
 # ------------------------------------------------------------------- output
@@ -572,7 +600,9 @@ def main(argv: list[str]) -> int:
         if unknown:
             raise ConfigError(f"--workloads = {args.workloads!r}: choose from {list(WORKLOADS)}")
         if args.alloc_check:
-            res = alloc_check(cfg, workload=workloads[0], budget=args.alloc_check, reps=args.reps)
+            res = alloc_check(
+                cfg, workload=workloads[0], budget=args.alloc_check, reps=args.reps, sets=args.set
+            )
             print(json.dumps(res, indent=1, default=float))
             path = write(res, args.out or f"benchmarks/results/flow-alloc-{stamp()}.json")
         else:
@@ -583,6 +613,7 @@ def main(argv: list[str]) -> int:
                 workloads=workloads,
                 ablations=args.ablations,
                 note=args.note,
+                sets=args.set,
                 partial=out,
             )
             print(table(res))
