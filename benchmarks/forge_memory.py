@@ -29,6 +29,7 @@ import platform
 import time
 from pathlib import Path
 
+import provenance
 import torch
 
 from frugaltrain.config import Config
@@ -52,6 +53,7 @@ LLAMAS = {  # frugaltrain config overrides (model.family = llama)
     },
 }  # fmt: skip
 VARIANTS = ("adamw", "adamw-foreach", "adamw-fused", "hooks", "forge", "forge-int8")
+STATES = {"forge": "fp32", "forge-int8": "int8", "forge-bf16": "bf16"}  # FORGE's state formats
 SEQ = 512
 LR, BETAS, WD = 3e-4, (0.9, 0.95), 0.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -102,9 +104,8 @@ def build(variant: str, model: torch.nn.Module):
     if variant == "hooks":
         opt = _HookAdamW(model)
         return opt, opt.state_tensors
-    if variant in ("forge", "forge-int8", "forge-bf16"):
-        states = {"forge": "fp32", "forge-int8": "int8", "forge-bf16": "bf16"}[variant]
-        opt = ForgeOptimizer(model, states=states, **kw)
+    if variant in STATES:
+        opt = ForgeOptimizer(model, states=STATES[variant], **kw)
     else:
         opt = torch.optim.AdamW(
             model.parameters(),
@@ -113,6 +114,18 @@ def build(variant: str, model: torch.nn.Module):
             **kw,
         )
     return opt, lambda: [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+
+
+def settings(variant: str) -> list[str]:
+    """What build() makes of `variant`, as `key=value` strings (the variant's overrides)."""
+    kw = [f"lr={LR}", f"betas={BETAS}", f"weight_decay={WD}"]
+    if variant == "hooks":
+        return ["optimizer=torch.optim.AdamW per parameter, in its grad hook", *kw, "foreach=False"]
+    if variant in STATES:
+        return ["optimizer=ForgeOptimizer", f"states={STATES[variant]}", *kw]
+    fused = True if variant == "adamw-fused" else None
+    flags = [f"foreach={variant == 'adamw-foreach'}", f"fused={fused}"]
+    return ["optimizer=torch.optim.AdamW", *kw, *flags]
 
 
 def batch(tokens: int, step: int, size: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +191,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/forge_memory.json")
     args = ap.parse_args()
+    variants = {v: settings(v) for v in args.variants.split(",")}
+    record = provenance.start("measured", variants=variants)
     torch.set_num_threads(args.threads)
     rows = []
     for case in args.cases.split(","):
@@ -205,7 +220,8 @@ def main() -> None:
         "method": "AllocationTracker (TorchDispatchMode storage tracker); all figures measured",
         "baseline": "torch.optim.AdamW(foreach=False), the CPU default, on the case's dtype",
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    provenance.finish(record)
+    out.write_text(json.dumps(record | {"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
+import provenance
 import torch
-from forge_memory import batch, build, make_model, train_step
+from forge_memory import BETAS, LR, WD, batch, build, make_model, settings, train_step
 
 from frugaltrain.forge import ForgeOptimizer
 
@@ -37,6 +37,14 @@ def _build(variant: str, model):
             model, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0
         )
     return build(variant, model)[0]
+
+
+def _settings(variant: str) -> list[str]:
+    """What _build() makes of `variant`, as `key=value` strings (the variant's overrides)."""
+    if variant == "forge-clip":
+        kw = [f"lr={LR}", f"betas={BETAS}", f"weight_decay={WD}"]
+        return ["optimizer=ForgeOptimizer", *kw, "max_grad_norm=1.0"]
+    return settings(variant)
 
 
 def _step(variant: str, model, opt, x, y) -> None:
@@ -95,6 +103,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/forge_speed.json")
     args = ap.parse_args()
+    variants = {v: _settings(v) for v in args.variants.split(",")}
+    record = provenance.start("measured", variants=variants)
     torch.set_num_threads(args.threads)
     rows = []
     for case in args.cases.split(","):
@@ -107,9 +117,9 @@ def main() -> None:
         "torch": torch.__version__,
         "method": "median wall-clock seconds per training step, variants alternating; measured",
         "baseline": "the first variant (adamw: torch.optim.AdamW(foreach=False), the CPU default)",
-        "load_average": [round(x, 2) for x in os.getloadavg()],  # at the end of the run
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    provenance.finish(record)
+    out.write_text(json.dumps(record | {"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 
