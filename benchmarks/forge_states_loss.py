@@ -25,6 +25,7 @@ import json
 import platform
 from pathlib import Path
 
+import provenance
 import torch
 
 from frugaltrain.forge import ForgeOptimizer
@@ -40,6 +41,17 @@ ARMS = {  # name -> (parameter dtype, FORGE states or None for torch.optim.AdamW
     "forge-bf16w": (torch.bfloat16, "fp32"),
     "forge-bf16w-bf16s": (torch.bfloat16, "bf16"),
 }
+
+
+def settings(arm: str) -> list[str]:
+    """What curve() trains `arm` with, as `key=value` strings (the arm's overrides)."""
+    dtype, states = ARMS[arm]
+    kw = [f"{k}={v}" for k, v in HYPER.items()] + ["weight_decay=0.1 (2-D), 0.0 (the rest)"]
+    if states is None:
+        opt = ["optimizer=torch.optim.AdamW", "foreach=False"]
+    else:
+        opt = ["optimizer=ForgeOptimizer", f"states={states}"]
+    return [*opt, f"param_dtype={str(dtype).removeprefix('torch.')}", *kw]
 
 
 def make_gpt(dtype: torch.dtype) -> GPT:
@@ -93,6 +105,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/forge_states_loss.json")
     args = ap.parse_args()
+    record = provenance.start("measured", variants={arm: settings(arm) for arm in ARMS})
     torch.set_num_threads(args.threads)
     data = noisy_batches(args.steps)
     curves = {name: curve(dtype, states, data) for name, (dtype, states) in ARMS.items()}
@@ -123,7 +136,8 @@ def main() -> None:
         "steps": args.steps,
         "method": f"mean loss per {WINDOW}-step window against torch-fp32's; measured",
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    provenance.finish(record)
+    out.write_text(json.dumps(record | {"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 
