@@ -39,6 +39,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import provenance
 import torch
 
 from frugaltrain.forge import ForgeOptimizer
@@ -96,19 +97,31 @@ def make_model(size: str, dtype: torch.dtype, device: str) -> GPT:
     return model.to(dtype)
 
 
-def build(variant: str, model: torch.nn.Module):
+def _options(variant: str) -> dict:
+    """The keyword arguments `variant`'s optimizer is built with."""
     kw = {"lr": LR, "betas": BETAS, "weight_decay": WD, "eps": EPS}
     if variant.startswith("forge"):
         backend = "triton" if "triton" in variant else "torch"
         states = "int8" if variant.endswith("int8") else "fp32"
         tile_rows = 512 if variant == "forge-r512" else None
-        return ForgeOptimizer(model, backend=backend, states=states, tile_rows=tile_rows, **kw)
-    return torch.optim.AdamW(
-        model.parameters(),
-        foreach=variant == "adamw-foreach",
-        fused=True if variant == "adamw-fused" else None,
+        return {"backend": backend, "states": states, "tile_rows": tile_rows, **kw}
+    return {
+        "foreach": variant == "adamw-foreach",
+        "fused": True if variant == "adamw-fused" else None,
         **kw,
-    )
+    }
+
+
+def build(variant: str, model: torch.nn.Module):
+    if variant.startswith("forge"):
+        return ForgeOptimizer(model, **_options(variant))
+    return torch.optim.AdamW(model.parameters(), **_options(variant))
+
+
+def settings(variant: str) -> list[str]:
+    """What build() makes of `variant`, as `key=value` strings (the variant's overrides)."""
+    name = "ForgeOptimizer" if variant.startswith("forge") else "torch.optim.AdamW"
+    return [f"optimizer={name}", *(f"{k}={v}" for k, v in _options(variant).items())]
 
 
 def batch(tokens: int, step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,7 +405,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/forge_gpu_h100.json")
     args = ap.parse_args()
     t_start = time.time()
-    result = {"meta": _meta(args.device, args), "kernel": [], "rows": []}
+    variants = {v: settings(v) for v in args.variants.split(",")}
+    result = provenance.start("measured", variants=variants)
+    result |= {"meta": _meta(args.device, args), "kernel": [], "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda" and args.kernel_tokens:
@@ -406,6 +421,8 @@ def main() -> None:
         )
         result["meta"]["elapsed_s"] = round(time.time() - t_start, 1)
         out.write_text(json.dumps(result, indent=1))  # partial results survive a time limit
+    provenance.finish(result)
+    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out} in {time.time() - t_start:.0f} s")
 
 
