@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
+
+import provenance
 
 from frugaltrain.config import Config, build_config
 from frugaltrain.metrics.log import read_metrics
@@ -35,7 +36,8 @@ METHODS = {
 }
 
 
-def config(out: Path, method: list[str], args: argparse.Namespace, straggler: bool) -> Config:
+def overrides(method: list[str], args: argparse.Namespace, straggler: bool) -> list[str]:
+    """A run's config overrides, but its output directory."""
     sets = [
         "run.workers=3",
         f"run.steps={args.steps}",
@@ -53,11 +55,15 @@ def config(out: Path, method: list[str], args: argparse.Namespace, straggler: bo
         "model.n_layer=2",
         "model.n_embd=64",
         "model.n_head=4",
-        f"run.out_dir={str(out)!r}",
         *method,
     ]
     if straggler:
         sets.append(f"fault_tolerance.inject='slow:worker=1,factor={args.factor}'")
+    return sets
+
+
+def config(out: Path, method: list[str], args: argparse.Namespace, straggler: bool) -> Config:
+    sets = [f"run.out_dir={str(out)!r}", *overrides(method, args, straggler)]
     return build_config(Config, {}, sets)
 
 
@@ -85,7 +91,12 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=0.1, help="fault_tolerance.mix1_deadline_s")
     p.add_argument("--out", default="benchmarks/results/ft_straggler.json")
     args = p.parse_args()
-
+    variants = {
+        f"{name}, straggler={straggler}": overrides(method, args, straggler)
+        for name, method in METHODS.items()
+        for straggler in (False, True)
+    }
+    record = provenance.start("measured", variants=variants)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, method in METHODS.items():
@@ -124,13 +135,13 @@ def main() -> int:
                 f"{str(r['slowest_round_then']):>13} {r['mix1_late_worker0']:>9} "
                 f"{r['val_loss']:>9.4f} {shown:>16}"
             )
-    out = {
+    provenance.finish(record)
+    out = record | {
         "what": "worker 0's wall time with a straggler vs without, fault-tolerant runtime",
         "label": "measured",
         "factor": args.factor,
         "mix1_deadline_s": args.deadline,
         "steps": args.steps,
-        "load_avg": os.getloadavg(),
         "rows": rows,
         "summary": summary,
     }
