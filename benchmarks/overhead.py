@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import provenance
 import torch
 
 from frugaltrain.comm import LocalComm
@@ -78,33 +79,29 @@ def frugaltrain_loop(cfg: Config, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _config(steps: int, model: str, data: str) -> Config:
+def _overrides(steps: int, model: str, data: str) -> list[str]:
     family = [] if model == "gpt" else ["model.family='llama'", "model.n_kv_head=2"]
     vocab = []
     if data:
         from frugaltrain.data.corpus import load_corpus
 
         vocab = [f"model.vocab_size={load_corpus(data).vocab_size}"]
-    return build_config(
-        Config,
-        {},
-        [
-            *family,
-            *vocab,
-            f"data.path={data!r}",
-            f"run.steps={steps}",
-            "outer.H=20",
-            "run.eval_every=0",
-            "run.eval_batches=1",
-            "run.progress=false",
-            "data.max_bytes=1000000",
-            "data.batch_size=16",
-            "data.seq_len=128",
-            "model.n_layer=4",
-            "model.n_embd=256",
-            "model.n_head=4",
-        ],
-    )
+    return [
+        *family,
+        *vocab,
+        f"data.path={data!r}",
+        f"run.steps={steps}",
+        "outer.H=20",
+        "run.eval_every=0",
+        "run.eval_batches=1",
+        "run.progress=false",
+        "data.max_bytes=1000000",
+        "data.batch_size=16",
+        "data.seq_len=128",
+        "model.n_layer=4",
+        "model.n_embd=256",
+        "model.n_head=4",
+    ]
 
 
 def main() -> None:
@@ -117,9 +114,12 @@ def main() -> None:
     args = ap.parse_args()
     out = args.out or f"benchmarks/results/overhead{'' if args.model == 'gpt' else '_llama'}.json"
     torch.set_num_threads(2)
-    short = _config(args.steps, args.model, args.data)
-    long = _config(2 * args.steps, args.model, args.data)
-    load_before = os.getloadavg()
+    sets = {n: _overrides(n, args.model, args.data) for n in (args.steps, 2 * args.steps)}
+    short, long = (build_config(Config, {}, s) for s in sets.values())
+    loops = ("plain PyTorch loop", "frugaltrain worker")
+    record = provenance.start(
+        "measured", variants={f"{loop}, {n} steps": s for loop in loops for n, s in sets.items()}
+    )
     plain, ours = [], []  # marginal seconds per step, one per repetition
     with tempfile.TemporaryDirectory() as tmp:
         plain_loop(short)  # warm both paths once (allocator, caches, lazy imports)
@@ -132,7 +132,7 @@ def main() -> None:
             print(
                 f"rep {rep}: plain {plain[-1] * 1e3:.1f} ms/step, frugaltrain {ours[-1] * 1e3:.1f}"
             )
-    load_after = os.getloadavg()
+    provenance.finish(record)
     p, o = statistics.median(plain), statistics.median(ours)
     paired = statistics.median(b / a for a, b in zip(plain, ours, strict=True))
     print(
@@ -149,8 +149,9 @@ def main() -> None:
         f"frugaltrain / plain: median of per-rep ratios {paired:.3f}, ratio of medians "
         f"{o / p:.3f} (target <= 1.05)"
     )
-    print(f"load average 1/5/15 min: before {load_before}, after {load_after}")
-    result = {
+    before, after = record["loadavg_before"], record["loadavg_after"]
+    print(f"load average 1/5/15 min: before {before}, after {after}")
+    result = record | {
         "clock": "measured",
         "model": args.model,
         "data": args.data or "byte tokens of the standard library",
@@ -162,8 +163,6 @@ def main() -> None:
         "ratio_median_of_reps": paired,
         "ratio_of_medians": o / p,
         "target": 1.05,
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
