@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
+
+import provenance
 
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.metrics.log import read_metrics
@@ -43,13 +44,13 @@ METHODS = {
 }
 
 
-def run_method(sets: list[str], out: Path, steps: int, H: int) -> dict:
-    base = [
+def base_overrides(steps: int, H: int) -> list[str]:
+    """Every method's job (a run's output directory aside)."""
+    return [
         "run.workers=4",
         f"run.steps={steps}",
         "run.eval_every=0",
         "run.progress=false",
-        f"run.out_dir={str(out)!r}",
         f"outer.H={H}",
         "data.max_bytes=2000000",
         "data.seq_len=128",
@@ -58,6 +59,10 @@ def run_method(sets: list[str], out: Path, steps: int, H: int) -> dict:
         "model.n_embd=128",
         "model.n_head=4",
     ]
+
+
+def run_method(sets: list[str], out: Path, steps: int, H: int) -> dict:
+    base = [f"run.out_dir={str(out)!r}", *base_overrides(steps, H)]
     cfg = build_config(Config, {}, base + sets)
     run_dir = new_run_dir(cfg)
     (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -79,12 +84,16 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/overlap.json")
     args = ap.parse_args()
+    base = base_overrides(args.steps, args.H)
+    variants = {m: [*base, *sets] for m, sets in METHODS.items()}
+    record = provenance.start("measured", variants=variants)
     results: dict[str, list[dict]] = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for name, sets in METHODS.items():
                 results[name].append(run_method(sets, Path(tmp) / f"r{rep}", args.steps, args.H))
                 print(f"rep {rep} {name}: util {results[name][-1]['util']:.4f}", flush=True)
+    provenance.finish(record)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
@@ -104,13 +113,12 @@ def main() -> None:
             f"{row['compute_s_per_round']:>12.3f} {row['blocking_over_compute']:>13.4f} "
             f"{row['bytes_sent_per_round'] / 1e6:>10.3f} {row['val_loss']:>8.4f}"
         )
-    payload = {
+    payload = record | {
         "what": "4 real gloo workers on loopback; medians over interleaved repetitions",
         "label": "measured",
         "steps": args.steps,
         "H": args.H,
         "reps": args.reps,
-        "load_average": os.getloadavg(),
         "median": rows,
         "runs": results,
     }
