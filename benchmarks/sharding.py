@@ -40,6 +40,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import provenance
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -130,8 +131,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def overrides(part: str, shards: int) -> list[str]:
+    return [*PARTS[part], *COMMON, f"run.shards={shards}"]
+
+
 def run_case(part: str, shards: int, root: Path, mmap_threshold: int = 0) -> dict:
-    cfg = build_config(Config, {}, [*PARTS[part], *COMMON, f"run.shards={shards}"])
+    cfg = build_config(Config, {}, overrides(part, shards))
     world = cfg.run.workers * shards
     run_dir = root / f"{part}-{shards}-{time.monotonic_ns()}"
     run_dir.mkdir()
@@ -214,6 +219,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/sharding.json")
     args = ap.parse_args()
     shard_counts = [int(s) for s in args.shards.split(",")]
+    env = [f"env.MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"] if args.mmap_threshold else []
+    variants = {
+        f"{part} S={s}": [*overrides(part, s), *env]
+        for part in args.parts.split(",")
+        for s in shard_counts
+    }
+    record = provenance.start("measured", variants=variants)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):  # S interleaved per repetition: drifts in load hit all alike
@@ -227,6 +239,7 @@ def main() -> None:
                         f"{r['step_s']:.2f} s, load {r['load_avg_1m_before']:.2f}",
                         flush=True,
                     )
+    provenance.finish(record)
     lines = table(results, shard_counts)
     print("\n".join(lines))
     meta = {
@@ -241,7 +254,7 @@ def main() -> None:
         },
     }
     Path(args.out).write_text(
-        json.dumps({"meta": meta, "results": results, "table": lines}, indent=1)
+        json.dumps(record | {"meta": meta, "results": results, "table": lines}, indent=1)
     )
     print(f"wrote {args.out}")
 
