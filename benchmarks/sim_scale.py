@@ -23,6 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
+import provenance
 import torch
 from torch.func import functional_call, vmap
 
@@ -43,10 +44,45 @@ BASE = [
 ]
 
 
+CASES = ((4, 40), (16, 20), (64, 10))  # (M, steps)
+TARGET = [
+    *BASE,
+    "run.workers=16",
+    "run.steps=1000",
+    "outer.H=50",
+    "run.eval_every=500",
+    "run.eval_batches=4",
+]
+VMAP = [  # vmap_rate's hand-written step (its model from BASE at M workers)
+    "torch_threads=2",
+    "optimizer=torch.optim.AdamW",
+    "lr=0.003",
+    "betas=(0.9, 0.95)",
+    "weight_decay=0.1 (3-D stacked), 0.0 (the rest)",
+]
+
+
+def sim_overrides(M: int, steps: int) -> list[str]:
+    return [*BASE, f"run.workers={M}", f"run.steps={steps}", f"outer.H={min(10, steps)}"]
+
+
+def variants(target: bool) -> dict[str, list[str]]:
+    """Every timed variant's overrides: the simulator's loop (one compute thread) and threads
+    (two) per case, vmap per case, and the 16 x 1000 target."""
+    out = {}
+    for M, steps in CASES:
+        for name, threads in (("loop", 1), ("threads", 2)):
+            sim = ["sim.ratio=0.887", f"sim.compute_threads={threads}"]
+            out[f"{name} M={M}"] = [*sim_overrides(M, steps), *sim]
+        vmap = [f"timed_steps={max(2, steps // 4)}", *VMAP]
+        out[f"vmap M={M}"] = [*BASE, f"run.workers={M}", "run.steps=10", "outer.H=10", *vmap]
+    if target:
+        out["target 16x1000"] = [*TARGET, "sim.ratio=0.887"]
+    return out
+
+
 def sim_rate(M: int, steps: int, threads: int) -> dict:
-    cfg, _ = load_sim_config(
-        None, [*BASE, f"run.workers={M}", f"run.steps={steps}", f"outer.H={min(10, steps)}"]
-    )
+    cfg, _ = load_sim_config(None, sim_overrides(M, steps))
     t = time.perf_counter()
     simulate(cfg, SimSection(ratio=0.887, compute_threads=threads))
     dt = time.perf_counter() - t
@@ -95,15 +131,15 @@ def main() -> None:
     p.add_argument("--target", action="store_true", help="also run 16 workers x 1000 steps")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*batching rule.*")
-    results = {
+    results = provenance.start("measured", variants=variants(args.target))
+    results |= {
         "clock": "measured (real seconds of this machine)",
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
-        "loadavg_before": os.getloadavg(),
         "rows": [],
     }
     sim_rate(4, 10, 2)  # warm-up: generates the Markov corpus (cached) and warms torch
-    for M, steps in ((4, 40), (16, 20), (64, 10)):
+    for M, steps in CASES:
         # loop and threads alternate twice; each keeps its faster repetition (less noise)
         reps = {"loop": [], "threads": []}
         for _ in range(2):
@@ -117,22 +153,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
     if args.target:
-        cfg, _ = load_sim_config(
-            None,
-            [
-                *BASE,
-                "run.workers=16",
-                "run.steps=1000",
-                "outer.H=50",
-                "run.eval_every=500",
-                "run.eval_batches=4",
-            ],
-        )
+        cfg, _ = load_sim_config(None, TARGET)
         t = time.perf_counter()
         simulate(cfg, SimSection(ratio=0.887))
         results["target_16x1000_s"] = time.perf_counter() - t
         print("16 workers x 1000 steps:", results["target_16x1000_s"], "s", flush=True)
-    results["loadavg_after"] = os.getloadavg()
+    provenance.finish(results)
     results["num_params"] = build_model(load_sim_config(None, BASE)[0]).num_params()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
