@@ -24,30 +24,40 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import provenance
 import torch
+
+
+def _torchft(args) -> list[str]:
+    """What the torchft side builds beside the config (_torchft_replica), as key=value."""
+    return [
+        "torchft.outer=torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)",
+        f"torchft.local_sgd=DiLoCo(sync_every={args.H}, backup_device=cpu)",
+        f"torchft.manager=Manager(min_replica_size={args.workers}, use_async_quorum=False)",
+    ]
+
+
+def _overrides(args) -> list[str]:
+    """The config both implementations read (a run's output directory aside)."""
+    return [
+        f"run.workers={args.workers}",
+        f"run.steps={args.steps}",
+        f"outer.H={args.H}",
+        "outer.strategy='diloco'",
+        "outer.lr=0.7",
+        "outer.momentum=0.9",
+        "run.eval_every=0",
+        f"run.eval_batches={args.eval_batches}",
+        "run.progress=false",
+        "data.batch_size=8",
+        "data.seq_len=64",
+    ]
 
 
 def _config(args, out_dir: str):
     from frugaltrain.config import Config, build_config
 
-    return build_config(
-        Config,
-        {},
-        [
-            f"run.workers={args.workers}",
-            f"run.steps={args.steps}",
-            f"outer.H={args.H}",
-            "outer.strategy='diloco'",
-            "outer.lr=0.7",
-            "outer.momentum=0.9",
-            "run.eval_every=0",
-            f"run.eval_batches={args.eval_batches}",
-            "run.progress=false",
-            "data.batch_size=8",
-            "data.seq_len=64",
-            f"run.out_dir={out_dir!r}",
-        ],
-    )
+    return build_config(Config, {}, [*_overrides(args), f"run.out_dir={out_dir!r}"])
 
 
 def run_ours(args, out_dir: str) -> dict:
@@ -156,6 +166,8 @@ def main() -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--out", default="benchmarks/results/vs_torchft.json")
     args = ap.parse_args()
+    variants = {"frugaltrain": _overrides(args), "torchft": [*_overrides(args), *_torchft(args)]}
+    record = provenance.start("measured", variants=variants)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
@@ -164,6 +176,7 @@ def main() -> int:
                 row = {"impl": name, "rep": rep, **fn(args, tmp), "load_avg_1min_before": load}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    provenance.finish(record)
     summary = {}
     for name in ("frugaltrain", "torchft"):
         mine = [r for r in rows if r["impl"] == name]
@@ -176,7 +189,7 @@ def main() -> int:
     summary["speed_ratio_ours_over_torchft"] = (
         ours["tokens_per_s_mean"] / theirs["tokens_per_s_mean"]
     )
-    out = {"config": vars(args), "runs": rows, "summary": summary, "label": "measured"}
+    out = record | {"config": vars(args), "runs": rows, "summary": summary, "label": "measured"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
