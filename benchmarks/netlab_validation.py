@@ -20,7 +20,9 @@ the run's measured per-round compute (rounds 2.., mean over workers). The simula
 many rounds as the trace and U is taken over all of them: with these three methods a round's
 blocking depends only on that round (Mix1 is posted at the round start and waited at its end),
 so simulated round k stands for measured round k + 1.
-Needs root. Writes a JSON with every figure labelled measured / simulated / estimated.
+Needs root. Writes a JSON with every figure labelled measured / simulated / estimated:
+{"provenance": command, date, machine, each case's overrides, load; "rows": one per case} (files
+written before provenance was recorded are the bare list of rows; `rows()` reads both).
 
     python benchmarks/netlab_validation.py --rates 28,14 --out docs/results/netlab.json
     # recompute the simulator's measured-input prediction from a results file (no root, no
@@ -36,11 +38,19 @@ import os
 import time
 from pathlib import Path
 
+import provenance
+
 METHODS = {
     "diloco": ["outer.strategy='diloco'"],
     "GlobalM1": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"],
     "GlobalM1LocalM2": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"],
 }
+
+
+def rows(data: dict | list) -> list[dict]:
+    """The cases of a results file: its "rows", or the file itself when it is the bare list that
+    files written before provenance was recorded hold."""
+    return data["rows"] if isinstance(data, dict) else data
 
 
 def predicted_blocking(method: str, compute_s: float, t_ar: float, t_pair: float) -> float:
@@ -146,7 +156,10 @@ def reanalyze(path: Path, runs: str) -> None:
     figures and the earlier predictions are kept as they are) and redraw its plot."""
     from frugaltrain.config import load_config
 
-    results = json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    results = rows(data)
+    if isinstance(data, dict):  # a bare list (an older file) stays as it is
+        data["reanalyzed"] = provenance.start("simulated")
     for row in results:
         steps = (row["measured"]["rounds_measured"] + 1) * row["H"]  # as run: round 1 + measured
         cfg = load_config(None, [*common_overrides(row["H"], steps, runs), *METHODS[row["method"]]])
@@ -164,7 +177,9 @@ def reanalyze(path: Path, runs: str) -> None:
             ),
             flush=True,
         )
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    if isinstance(data, dict):
+        provenance.finish(data["reanalyzed"])
+    path.write_text(json.dumps(data, indent=1) + "\n")
     plot(results, path.with_suffix(".png"))
 
 
@@ -217,7 +232,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.plot:
-        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        plot(rows(json.loads(Path(args.plot).read_text())), Path(args.plot).with_suffix(".png"))
         return 0
     if args.reanalyze:
         reanalyze(Path(args.reanalyze), args.runs)
@@ -233,13 +248,25 @@ def main() -> int:
         print(f"skipped: {reason}")
         return 2
     common = common_overrides(args.H, args.steps, args.runs)
+    rates = [float(x) for x in args.rates.split(",")]
+    variants = {
+        f"{method}-{rate:g}mbit": [
+            *common,
+            *METHODS[method],
+            f"run.name='{method}-{rate:g}mbit'",
+            f"netlab.rate_mbit={rate:g}",
+        ]
+        for rate in rates
+        for method in args.methods.split(",")
+    }
+    record = provenance.start("measured", variants=variants, note="netlab namespaces, tc tbf")
     results = []
     from frugaltrain.models import build_model
     from frugaltrain.netlab.run import probe
 
     cfg0, _, _ = prepare(None, [*common, *METHODS["diloco"], "run.name='probe'"], None)
     S = 4 * sum(p.numel() for p in build_model(cfg0).parameters())
-    for rate in [float(x) for x in args.rates.split(",")]:
+    for rate in rates:
         # What the shaped links deliver to gloo, with nothing else running (measured).
         with NetLab(4, rate) as lab:
             link = probe(lab, S, 3, Path(args.runs) / f"probe-{rate:g}.json")
@@ -285,8 +312,9 @@ def main() -> int:
                 row.update(simulated_measured_inputs(cfg, m, link))
             results.append(row)
             print(json.dumps(row), flush=True)
+    provenance.finish(record)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"provenance": record, "rows": results}, indent=1) + "\n")
     plot(results, Path(args.out).with_suffix(".png"))
     return 0
 

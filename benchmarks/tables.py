@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
 from link_probe import table as link_probe_table  # noqa: E402
+from netlab_validation import rows as netlab_rows  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -661,7 +662,7 @@ def sharding_bytes(files: list[dict]) -> str:
 def netlab_probe(files: list[dict]) -> str:
     """The link probe each rate's runs recorded (netlab.json): the all-reduce and the pair
     exchange of S bytes, measured, beside their nominal times 1.5 S / B and S / B."""
-    probes = {r["rate_mbit"]: r["link_probe_measured"] for r in files[0]}
+    probes = {r["rate_mbit"]: r["link_probe_measured"] for r in netlab_rows(files[0])}
     lines = [
         "| tbf rate | all-reduce of S (nominal 1.5 S / B) | effective "
         "| pair exchange of S (nominal S / B) | effective |",
@@ -689,7 +690,7 @@ def netlab_utilization(files: list[dict]) -> str:
         "| closed form, nominal link | load avg |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in files[0]:
+    for r in netlab_rows(files[0]):
         u = r["measured"]["U"]
         cells = [f"{r['rate_mbit']:g} Mbit/s", r["method"], f"{r['measured']['step_s']:.3f}"]
         cells += [f"{r['r_probe_estimated']:.2f}", f"**{u:.3f}**"]
