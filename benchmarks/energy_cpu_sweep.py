@@ -94,12 +94,12 @@ def _configs(quick: bool) -> list[dict]:
     return out
 
 
-def _name(cfg: dict) -> str:
+def variant_name(cfg: dict) -> str:
     L, d, s, b = (cfg[k] for k in ("n_layer", "n_embd", "seq_len", "batch_size"))
     return f"{cfg['arch']}-L{L}-d{d}-s{s}-b{b}"
 
 
-def _sets(cfg: dict) -> list[str]:
+def variant_sets(cfg: dict) -> list[str]:
     """A configuration as `key=value` strings (the variant's overrides)."""
     return [f"{k}={v}" for k, v in cfg.items()]
 
@@ -180,7 +180,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     configs = _configs(args.quick)
-    record = provenance.start("measured", variants={_name(c): _sets(c) for c in configs})
+    variants = {variant_name(c): variant_sets(c) for c in configs}
+    record = provenance.start("measured", variants=variants)
     torch.set_num_threads(1)  # 2 shared cores: one thread keeps the timings steadier
     prof = calibrate_cpu_profile(seconds=1.0, threads=1)
     print(

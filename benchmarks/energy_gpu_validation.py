@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # TinyBert from the CPU sweep
-from energy_cpu_sweep import TinyBert  # noqa: E402
+import provenance  # noqa: E402
+from energy_cpu_sweep import TinyBert, variant_name, variant_sets  # noqa: E402
 
 from frugaltrain.energy.meter import NvmlMeter, _import_pynvml, open_meter  # noqa: E402
 from frugaltrain.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -213,6 +214,31 @@ def _sweep_configs(smoke: bool) -> list[dict]:
     return out
 
 
+def sweep_variants(smoke: bool, dev: str) -> dict[str, list[str]]:
+    """Every sweep configuration as `key=value` strings, with what _build_step adds."""
+    step = [f"optimizer=torch.optim.AdamW(lr=1e-4, fused={dev.startswith('cuda')})"]
+    step.append("autocast=bfloat16")
+    out = {}
+    for c in _sweep_configs(smoke):
+        vocab = [f"vocab_size={VOCAB}"] if c["arch"] == "gpt" else []
+        out[variant_name(c)] = [*variant_sets(c), *vocab, *step]
+    return out
+
+
+ANALYSES = {  # analyze()'s summary rows -> their model and evaluation (70/30 by architecture)
+    "time model (pre-run)": ["model=StepTimeModel", "target=seconds", "splits=20"],
+    "energy, predicted T (pre-run)": ["model=EnergyPredictor", "energy=pre", "splits=20"],
+    "energy, measured T (post-run)": ["model=EnergyPredictor", "energy=post", "splits=20"],
+    "conformal_cv_pre": ["model=EnergyPredictor", "energy=pre", "conformal=cv", "splits=10"],
+    "extrapolation_pre": [
+        "model=EnergyPredictor",
+        "energy=pre",
+        "train=smallest 75% by C",
+        "test=largest 25% by C",
+    ],
+}
+
+
 def _peak_mem_gib(dev: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if dev.startswith("cuda") else None
 
@@ -296,6 +322,7 @@ def analyze(path: str) -> None:
     )
     from frugaltrain.energy.records import derive, normalize
 
+    record = provenance.start("estimated", variants=ANALYSES)
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     for r in rows:
         if r["kind"] in ("preflight", "idle", "meter_check", "roofline_gemm", "roofline_copy"):
@@ -325,7 +352,12 @@ def analyze(path: str) -> None:
     def tm(tr, te):
         return StepTimeModel().fit(tr).predict(te)
 
-    summary = {"what": "held-out predictions vs energy measured by the NVML counter (H100 sweep)"}
+    summary = record | {
+        "what": "held-out predictions vs energy measured by the NVML counter (H100 sweep)",
+        "measured_provenance": next(  # the sweep's own, where its file has one
+            (r["provenance"] for r in reversed(rows) if r["kind"] == "provenance"), None
+        ),
+    }
     print(f"{'model (70/30 by architecture, 20 splits)':<46} {'R2(ln)':>7} {'MAPE':>7}")
     for name, fp, target in (("time model (pre-run)", tm, "seconds"),
                              ("energy, predicted T (pre-run)", pre, "energy_j"),
@@ -356,6 +388,7 @@ def analyze(path: str) -> None:
 
     stem = Path(path).with_suffix("")
     plot_predicted_vs_measured(base, oof, f"{stem}.png", title="H100 sweep (measured, NVML)")
+    provenance.finish(summary)
     Path(f"{stem}_summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {stem}.png and {stem}_summary.json")
 
@@ -375,12 +408,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     scale = 0.05 if args.smoke else 1.0
+    record = provenance.start("measured", variants=sweep_variants(args.smoke, dev))
+    _log(out, "provenance", provenance={k: v for k, v in record.items() if k != "_t0"})
     info = preflight(out, dev)
     p_idle = idle_power(out, dev, 15.0 * scale)
     if dev.startswith("cuda") and not args.sweep_only:
         meter_check(out, dev, 30.0 * scale)
         energy_roofline(out, dev, 8.0 * scale, p_idle)
     sweep(out, dev, 3.0 * scale, args.budget, args.smoke, info)
+    _log(out, "provenance", provenance=provenance.finish(record))  # the last one: complete
 
 
 if __name__ == "__main__":
