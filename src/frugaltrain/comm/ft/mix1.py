@@ -100,6 +100,10 @@ class Mix1:
         tag = (k % (1 << 20)) * PARTS
         flat, parts = encode_own(tensors, codec)
         parts = [p.contiguous() for p in parts]
+        # Receives first, as in comm/torchdist.py's exchange: a receive posted behind a send
+        # already streaming on the same gloo pair is announced only after the whole payload.
+        bufs = {j: [torch.empty_like(p) for p in parts] for j in recv_from}
+        arrived = {j: self._receive(pg, j, bufs[j], tag) for j in recv_from}
         for j in send_to:  # a send completes when its peer takes it
             try:
                 Arrival([pg.send([p], j, tag + i) for i, p in enumerate(parts)], pg)
@@ -110,8 +114,6 @@ class Mix1:
         wire_bytes = compress.wire_bytes(flat.numel(), codec)
         self.stats.bytes_sent += wire_bytes * len(send_to)
         self.stats.bytes_received += wire_bytes * len(recv_from)
-        bufs = {j: [torch.empty_like(p) for p in parts] for j in recv_from}
-        arrived = {j: self._receive(pg, j, bufs[j], tag) for j in recv_from}
         beats = {j: heartbeat.beat_of(world.store, members[j]) for j in recv_from}
         posted = time.monotonic()
 
