@@ -33,6 +33,7 @@ def test_key_set_is_pinned():
             "steps",
             "eval_every",
             "eval_batches",
+            "eval_diagnostics",
             "checkpoint_every",
             "stop_at_round",
             "threads",

@@ -7,6 +7,7 @@ benchmark: the runs it drives are covered by test_modes.py and test_flow_cli.py.
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "flow.py"
 
 @pytest.fixture(scope="module")
 def flow_bench():
-    spec = importlib.util.spec_from_file_location("flow_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(SCRIPT.parent))  # as when run: it imports its sibling provenance.py
+    try:
+        spec = importlib.util.spec_from_file_location("flow_benchmark", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
     return module
 
 
