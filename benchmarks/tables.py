@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
 from link_probe import table as link_probe_table  # noqa: E402
 from netlab_validation import rows as netlab_rows  # noqa: E402
+from time_to_loss import links_table  # noqa: E402
+from time_to_loss import table as time_to_loss_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -705,6 +707,12 @@ def netlab_utilization(files: list[dict]) -> str:
 
 
 TABLES = {
+    "time-to-loss-links": Table(
+        "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: links_table(f[0])
+    ),
+    "time-to-loss": Table(
+        "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_table(f[0])
+    ),
     "link-probe": Table(
         "docs/results/netlab.md", ("link_probe.json",), lambda files: link_probe_table(files[0])
     ),

@@ -3,8 +3,10 @@ validation loss, with every worker a real process in its own netlab namespace be
 link and held to a fixed CPU share (a cgroup quota), so one worker's compute speed does not
 depend on whether the others are blocked.
 
-    python benchmarks/time_to_loss.py --data /usr/share/doc --cases r1=22,r2=11,slow=22:5.5 \
+    python benchmarks/time_to_loss.py --data /usr/share/doc --cases r1=22,r2=11,slow=22:8 \
         --seeds 0,1,2 --out benchmarks/results/time_to_loss.json
+    python benchmarks/time_to_loss.py --table JSON              # the tables and the PNG again
+    python benchmarks/time_to_loss.py --resimulate JSON [CASE]  # the simulator's curves again
 
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
 Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
@@ -129,11 +131,12 @@ def simulated_curve(cfg_path: str, sets: list[str], step_s: float, link: dict, r
 
     cfg = load_config(cfg_path, sets)
     ar_bps = link["allreduce_effective_bps"]
-    scale = [r / rates[0] for r in rates]  # a slow link keeps the probe's share of its rate
+    # The ring runs at its slowest link: each link keeps the share of its rate the probe found.
+    share = ar_bps / (min(rates) * 1e6)
     sim = SimSection(
         compute="fixed",
         step_s=step_s,
-        bandwidth_bps=[ar_bps * s for s in scale],
+        bandwidth_bps=[r * 1e6 * share for r in rates],
         p2p_bandwidth_ratio=link["pair_effective_bps"] / ar_bps,
         latency_s=0.0,
     )
@@ -147,7 +150,7 @@ def simulated_curve(cfg_path: str, sets: list[str], step_s: float, link: dict, r
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="r1=22,r2=11,slow=22:5.5")
+    ap.add_argument("--cases", default="r1=22,r2=11,slow=22:8")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=200)
@@ -257,6 +260,8 @@ def analyze(record: dict) -> list[dict]:
                     ts_d = time_to(sim_target, sd["wall_s_simulated"], sd["val_loss"])
                     ts_m = time_to(sim_target, sm["wall_s_simulated"], sm["val_loss"])
                     sim_ratio.append(ts_m / ts_d if ts_m is not None and ts_d else None)
+            if not ratios:  # not run (yet)
+                continue
             out.append({"case": name, "method": m, "ratios": ratios, "final_x": final,
                         "U": U, "sim_ratio": sim_ratio})  # fmt: skip
     return out
@@ -288,6 +293,23 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def links_table(record: dict) -> str:
+    lines = [
+        "| case | links, Mbit/s | all-reduce of S, s | pair exchange of S, s | DiLoCo's r |",
+        "|---|---|---|---|---|",
+    ]
+    for name, case in record["cases"].items():
+        p = case["probe"]
+        rates = "/".join(f"{x:g}" for x in case["rates_mbit"])
+        steps = [r["step_s_measured"] for r in case["runs"] if r["method"] == BASELINE]
+        r = p["allreduce_s_measured"] / (record["H"] * statistics.mean(steps)) if steps else None
+        lines.append(
+            f"| {name} | {rates} | {p['allreduce_s_measured']:.3f} | "
+            f"{p['pair_exchange_s_measured']:.3f} | {'-' if r is None else f'{r:.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -307,6 +329,9 @@ def plot(record: dict, path: Path) -> None:
                 if "sim" in r:
                     ax.plot(r["sim"]["wall_s_simulated"], r["sim"]["val_loss"], color=col,
                             linestyle=":", linewidth=1)  # fmt: skip
+        measured = [t for r in case["runs"] if r["seed"] == seed0 for t in r["wall_s_measured"]]
+        if measured:  # the simulated tails of runs stopped early would squash the rest
+            ax.set_xlim(0, 1.15 * max(measured))
         rates = case["rates_mbit"]
         ax.set_title(f"{name}: links {'/'.join(f'{x:g}' for x in sorted(set(rates)))} Mbit/s")
         ax.set_xlabel("training wall clock, s (measured; dotted: simulated)")
@@ -316,9 +341,31 @@ def plot(record: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def resimulate(path: Path, only: list[str]) -> None:
+    """Recompute the simulator's curves of a results file, of the cases named in `only` (all if
+    empty); its measured runs are kept."""
+    record = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory() as runs:
+        for name, case in record["cases"].items():
+            if only and name not in only:
+                continue
+            for row in (r for r in case["runs"] if "sim" in r):
+                shared = [s.replace("'RUNS'", repr(runs)) for s in record["shared"]]
+                shared = [s for s in shared if not s.startswith("run.seed=")]
+                cfg_path, sets = overrides(row["method"], [*shared, f"run.seed={row['seed']}"])
+                row["sim"] = simulated_curve(
+                    cfg_path, sets, row["step_s_measured"], case["probe"], case["rates_mbit"]
+                )
+                print(f"{name} {row['method']}: resimulated", flush=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--table"]:
+    if sys.argv[1:2] == ["--resimulate"]:
+        resimulate(Path(sys.argv[2]), sys.argv[3:])
+    elif sys.argv[1:2] == ["--table"]:
         rec = json.loads(Path(sys.argv[2]).read_text())
+        print(links_table(rec))
         print(table(rec))
         plot(rec, Path(sys.argv[2]).with_suffix(".png"))
     else:
