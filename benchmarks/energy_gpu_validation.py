@@ -409,7 +409,7 @@ def main() -> None:
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     scale = 0.05 if args.smoke else 1.0
     record = provenance.start("measured", variants=sweep_variants(args.smoke, dev))
-    _log(out, "provenance", provenance={k: v for k, v in record.items() if k != "_t0"})
+    _log(out, "provenance", provenance=dict(record))
     info = preflight(out, dev)
     p_idle = idle_power(out, dev, 15.0 * scale)
     if dev.startswith("cuda") and not args.sweep_only:

@@ -21,17 +21,10 @@ from pathlib import Path
 import provenance
 
 from frugaltrain.netlab.lab import NetLab, why_not_available
+from frugaltrain.netlab.probe import TRANSFERS
 from frugaltrain.netlab.run import probe
 
 S = 1_870_336  # the default GPT's fp32 bytes (the model netlab.md trains)
-TRANSFERS = {  # name -> (seconds key, effective bits/s key)
-    "all-reduce": ("allreduce_s_measured", "allreduce_effective_bps"),
-    "pair exchange (runtime)": ("pair_exchange_s_measured", "pair_effective_bps"),
-    "pair exchange, sends first": (
-        "pair_exchange_send_first_s_measured",
-        "pair_send_first_effective_bps",
-    ),
-}
 
 
 def table(result: dict) -> str:

@@ -67,13 +67,13 @@ def start(kind: str, variants: dict[str, list[str]] | None = None, note: str = "
         "machine": machine_info(note),
         "variants": variants or {},
         "loadavg_before": list(os.getloadavg()),
-        "_t0": time.monotonic(),
+        "started_unix": time.time(),
     }
 
 
 def finish(record: dict) -> dict:
     record["loadavg_after"] = list(os.getloadavg())
-    record["wall_s"] = round(time.monotonic() - record.pop("_t0"), 1)
+    record["wall_s"] = round(time.time() - record["started_unix"], 1)
     return record
 
 

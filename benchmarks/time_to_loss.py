@@ -181,7 +181,7 @@ def main() -> int:
     methods = [BASELINE, *[m for m in methods if m != BASELINE]]
     seeds = [int(s) for s in args.seeds.split(",")]
     cases = [parse_case(c) for c in args.cases.split(",")]
-    variants = {m: overrides(m, ["<shared>"])[1][1:] for m in methods}
+    variants = {m: [f"config=examples/{METHODS[m][0]}.toml", *METHODS[m][1]] for m in methods}
     record = provenance.start("measured", variants=variants, note="netlab, cgroup CPU quota")
     record |= {"methods": methods, "seeds": seeds, "steps": args.steps, "H": args.H,
                "data": args.data or "stdlib bytes", "cpu_share": args.cpu_share,

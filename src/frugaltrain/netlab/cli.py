@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
         gone = cleanup()
         print(f"deleted {len(gone)} namespace(s): {' '.join(gone) or '-'}")
         return 0
-    from frugaltrain.netlab.run import measure_rate_mbit, probe, train
+    from frugaltrain.netlab.run import measure_rate_mbit, train
 
     if args.verb == "check":
         with NetLab(2, args.rate_mbit) as lab:
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
         print(f"limit {args.rate_mbit:g} Mbit/s, measured {got:.2f} Mbit/s TCP goodput")
         return 0
     if args.verb == "probe":
-        return _probe(args, probe, NetLab)
+        return _probe(args)
     try:
         from frugaltrain.metrics.report import report
         from frugaltrain.train.launch import prepare
@@ -90,10 +90,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _probe(args, probe, NetLab) -> int:
+def _probe(args) -> int:
     import json
     import tempfile
     from pathlib import Path
+
+    from frugaltrain.netlab.lab import NetLab
+    from frugaltrain.netlab.probe import TRANSFERS
+    from frugaltrain.netlab.run import probe
 
     if args.workers < 2 or args.workers % 2:
         print("frugaltrain netlab probe: --workers must be even and at least 2", file=sys.stderr)
@@ -105,12 +109,7 @@ def _probe(args, probe, NetLab) -> int:
     shaped = args.rate_mbit * 1e6
     print(f"{args.workers} workers, {args.rate_mbit:g} Mbit/s links, S = {nbytes} bytes, "
           f"median of {args.repeats} (measured, slowest worker)")  # fmt: skip
-    for name, s_key, bps_key in (
-        ("ring all-reduce", "allreduce_s_measured", "allreduce_effective_bps"),
-        ("pair exchange (runtime)", "pair_exchange_s_measured", "pair_effective_bps"),
-        ("pair exchange, sends first", "pair_exchange_send_first_s_measured",
-         "pair_send_first_effective_bps"),
-    ):  # fmt: skip
+    for name, (s_key, bps_key) in TRANSFERS.items():
         bps = got[bps_key]
         print(f"  {name:28s} {got[s_key]:7.3f} s  {bps / 1e6:6.2f} Mbit/s  {bps / shaped:5.1%}")
     if args.out:

@@ -76,19 +76,21 @@ class CpuQuota:
         return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
 
     def down(self) -> None:
-        for d in reversed(self.dirs):
-            try:
-                d.rmdir()
-            except OSError:  # still has a process in it (killed, not yet reaped): leave it
-                pass
+        _remove(reversed(self.dirs))
         self.dirs.clear()
 
 
 def cleanup(tag: str = "") -> list[str]:
     """Remove empty groups netlab left behind (all, or those of one tag)."""
     found = controller_dir()
+    return _remove(sorted(found[0].glob(f"ftl-{tag}*")) if found else [])
+
+
+def _remove(dirs) -> list[str]:
+    """The names of the groups removed; one still holding a process (killed, not yet reaped)
+    is left."""
     gone = []
-    for d in sorted(found[0].glob(f"ftl-{tag}*")) if found else []:
+    for d in dirs:
         try:
             d.rmdir()
             gone.append(d.name)

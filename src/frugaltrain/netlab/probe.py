@@ -20,6 +20,16 @@ import torch.distributed as dist
 
 from frugaltrain.comm.torchdist import TorchDistComm
 
+# What the probe times: name -> (seconds key, effective bits/s key) of its JSON.
+TRANSFERS = {
+    "all-reduce": ("allreduce_s_measured", "allreduce_effective_bps"),
+    "pair exchange (runtime)": ("pair_exchange_s_measured", "pair_effective_bps"),
+    "pair exchange, sends first": (
+        "pair_exchange_send_first_s_measured",
+        "pair_send_first_effective_bps",
+    ),
+}
+
 
 def _timed(fn, repeats: int) -> float:
     """Median seconds of `fn` after a first call that opens the connections (not counted)."""
