@@ -113,6 +113,7 @@ def test_key_set_is_pinned():
             "momentum_policy",
             "mix1_weight",
             "mix2_momentum",
+            "mix2_overlap",
         ],
         "noloco": ["group_size", "consensus_pull"],
         "streaming": ["fragments", "overlap", "merge_alpha"],
@@ -194,6 +195,15 @@ def test_toml_round_trip(tmp_path):
             "optim.name = 'forge-adamw': FORGE updates weights inside backward, so no gradient "
             "exists for outer.strategy = 'ddp' to all-reduce over run.workers = 2; use "
             "optim.name = 'adamw' with ddp",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2_overlap=true"],
+            "outer.fgd.mix2_overlap = True: overlaps a Mix2; set mix2 or drop it",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_overlap=true"]
+            + ["fault_tolerance.enabled=true"],
+            "outer.fgd.mix2_overlap = True: the fault-tolerant runtime runs Mix2 blocking only",
         ),
     ],
 )

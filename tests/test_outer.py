@@ -46,6 +46,7 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     "sets",
     [
         ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'"),
+        ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'", "outer.fgd.mix2_overlap=true"),
         (
             "outer.strategy='fgd'",
             "outer.fgd.preset='GlobalM1'",
@@ -126,8 +127,8 @@ def _gloo_worker(rank, port, jobs, out):
         results = {}
         for name, cfg, run_dir, resume in jobs:
             comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
-            if name == "mean-recursion":
-                results[name] = _mean_recursion_rounds(cfg, comm)
+            if name.startswith("mean-recursion"):
+                results[name] = _mean_recursion_rounds(cfg, comm, late=name.endswith("late"))
                 continue
             result = train_worker(cfg, comm, Path(run_dir), Path(resume) if resume else None)
             results[name] = (_params(result.model), comm.stats.bytes_sent)
@@ -137,12 +138,12 @@ def _gloo_worker(rank, port, jobs, out):
         dist.destroy_process_group()
 
 
-def _mean_recursion_rounds(cfg, comm) -> list[dict]:
+def _mean_recursion_rounds(cfg, comm, late: bool = False) -> list[dict]:
     """Drive fgd by hand: inner phases replaced by per-worker random moves; record what the mean
-    recursion needs."""
+    recursion needs. `late`: Mix2 overlaps the next round (no last step: every round is late)."""
     model = build_model(cfg)
     fgd = FactoredGossipDiLoCo(
-        model, comm, H=1, lr=0.7, momentum=0.9, mix1="ring", mix2="pairs", seed=5
+        model, comm, H=1, lr=0.7, momentum=0.9, mix1="ring", mix2="pairs", seed=5, mix2_overlap=late
     )
     gen = torch.Generator().manual_seed(comm.rank)
     rounds = []
@@ -200,29 +201,23 @@ def _cases(factory, root: Path) -> list[tuple]:
             "outer.streaming.overlap=1",
             "outer.codec='e3m0'",
         ),
-        job(
-            "fgd-full",
-            "outer.strategy='fgd'",
-            "outer.fgd.mix1='ring'",
-            "outer.fgd.mix2='pairs'",
-            "outer.fgd.mix2_params='embed+head'",
-            "run.checkpoint_every=1",
-        ),
-        job(
-            "fgd-part",
-            "outer.strategy='fgd'",
-            "outer.fgd.mix1='ring'",
-            "outer.fgd.mix2='pairs'",
-            "outer.fgd.mix2_params='embed+head'",
-            "run.checkpoint_every=1",
-            "run.stop_at_round=2",
-        ),
-        ("mean-recursion", factory(root, *base), None, None),
     ]
-    part_dir = jobs[-2][2]
-    jobs.append(
-        ("fgd-resumed", jobs[-2][1], part_dir, str(Path(part_dir) / "checkpoints" / "round_000002"))
+    gossip = (
+        "outer.strategy='fgd'",
+        "outer.fgd.mix1='ring'",
+        "outer.fgd.mix2='pairs'",
+        "outer.fgd.mix2_params='embed+head'",
+        "run.checkpoint_every=1",
     )
+    for name, late in (("fgd", ()), ("fgd-late", ("outer.fgd.mix2_overlap=true",))):
+        whole = job(f"{name}-full", *gossip, *late)
+        part = job(f"{name}-part", *gossip, *late, "run.stop_at_round=2")
+        ckpt = str(Path(part[2]) / "checkpoints" / "round_000002")
+        jobs += [whole, part, (f"{name}-resumed", part[1], part[2], ckpt)]
+    jobs += [
+        ("mean-recursion", factory(root, *base), None, None),
+        ("mean-recursion-late", factory(root, *base), None, None),
+    ]
     return jobs
 
 
@@ -269,10 +264,21 @@ def test_fgd_gossip_workers_disagree_and_resume_exactly(gloo_runs):
         _assert_same(gloo_runs[rank]["fgd-full"][0], gloo_runs[rank]["fgd-resumed"][0])
 
 
-def test_fgd_mean_follows_diloco_recursion(gloo_runs):
+def test_fgd_late_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(gloo_runs):
+    # The checkpoint lands the Mix2 in flight; the resumed run steps with that correction.
+    for rank in range(WORLD):
+        _assert_same(gloo_runs[rank]["fgd-late-full"][0], gloo_runs[rank]["fgd-late-resumed"][0])
+        assert gloo_runs[rank]["fgd-late-full"][1] == gloo_runs[rank]["fgd-full"][1]
+    late, blocking = gloo_runs[0]["fgd-late-full"][0], gloo_runs[0]["fgd-full"][0]
+    assert not all(torch.equal(u, v) for u, v in zip(late, blocking, strict=True))
+
+
+@pytest.mark.parametrize("case", ["mean-recursion", "mean-recursion-late"])
+def test_fgd_mean_follows_diloco_recursion(gloo_runs, case):
+    # A late Mix2's correction sums to zero over the workers: the mean is DiLoCo's either way.
     mu, gamma = 0.9, 0.7
     for t in range(4):
-        per = [gloo_runs[r]["mean-recursion"][t] for r in range(WORLD)]
+        per = [gloo_runs[r][case][t] for r in range(WORLD)]
 
         def mean(key, k, per=per):
             return torch.stack([p[key][k].double() for p in per]).mean(0)
@@ -284,6 +290,10 @@ def test_fgd_mean_follows_diloco_recursion(gloo_runs):
             torch.testing.assert_close(mean("x_next", k), x_next, rtol=1e-5, atol=1e-6)
         if t > 0:
             assert not torch.equal(per[0]["x"][0], per[1]["x"][0])  # the test is not trivial
+    blocking = gloo_runs[0]["mean-recursion"][1]["x_next"]
+    assert case == "mean-recursion" or not torch.equal(
+        gloo_runs[0][case][1]["x_next"][0], blocking[0]
+    )
 
 
 def test_consensus_metrics_match_brute_force(gloo_runs, tmp_path_factory):

@@ -382,6 +382,11 @@ class FgdSection(Section):
     """Mix2 also mixes the chosen tensors' outer momentum, so it mixes their post-momentum
     update rather than only the raw pseudo-gradient (with a complete Mix2 on all tensors both
     are DiLoCo)."""
+    mix2_overlap: bool = False
+    """Mix2 runs in the background during the next round's inner steps and comes back one
+    round late as a correction (each worker steps with its own fresh pseudo-gradient plus
+    (W2 Delta)_i - Delta_i of the round before): no blocking Mix2, and the mean of the workers
+    still follows DiLoCo exactly. The run's last round mixes at once."""
 
     def check(self) -> None:
         self.require(
@@ -396,6 +401,15 @@ class FgdSection(Section):
         self.require(error is None, "mix2_params", error or "")
         self.one_of("momentum_policy", ("local", "mixed", "reset"))
         self.require(0 <= self.mix1_weight <= 1, "mix1_weight", "must be in [0, 1]")
+        if self.mix2_overlap:
+            self.require(
+                self.mix2 != "none", "mix2_overlap", "overlaps a Mix2; set mix2 or drop it"
+            )
+            self.require(
+                not self.mix2_momentum,
+                "mix2_overlap",
+                "mixes pseudo-gradients only; set mix2_momentum = false or drop mix2_overlap",
+            )
 
     def _apply_preset(self) -> None:
         """Refuse a key set against the preset, then hold the preset's values (so the strategy
@@ -724,7 +738,15 @@ def _check_streaming(o: OuterSection, m: ModelSection) -> None:
 
 
 def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> None:
-    """Every injected fault names a worker of this run and fires in one of its rounds."""
+    """Every injected fault names a worker of this run and fires in one of its rounds; the
+    fault-tolerant runtime's only non-blocking mix is Mix1 (comm/ft/mix1.py)."""
+    require(
+        not (ft.enabled and o.strategy == "fgd" and o.fgd.mix2_overlap),
+        "outer.fgd.mix2_overlap",
+        True,
+        "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_overlap = "
+        "false or fault_tolerance.enabled = false",
+    )
     rounds = -(-r.steps // o.H)
     for fault in faults.parse(ft.inject):
         require(

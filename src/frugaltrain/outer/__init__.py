@@ -46,7 +46,10 @@ def build_strategy(
     `cfg`: a whole config (seeded by its run.seed), or an [outer] section alone seeded by
     `seed` (wrap)."""
     o, seed = (cfg.outer, cfg.run.seed) if isinstance(cfg, Config) else (cfg, seed)
-    return STRATEGIES[o.strategy](model, comm, **o.strategy_keys(), seed=seed)
+    keys = o.strategy_keys()
+    if o.strategy == "fgd" and isinstance(cfg, Config):  # a late Mix2 settles at the run's end
+        keys["last_step"] = cfg.run.steps
+    return STRATEGIES[o.strategy](model, comm, **keys, seed=seed)
 
 
 __all__ = [

@@ -14,6 +14,17 @@ Nothing from an earlier round enters round t's update, so there is no staleness:
 is that worker i's inner phase starts from x_i rather than the mean. With doubly stochastic W1
 and W2 the mean of the x_i follows DiLoCo's outer recursion exactly.
 
+mix2_overlap takes Mix2 off the critical path, as Streaming DiLoCo and DiLoCo's eager updates
+overlap their outer all-reduce: round t's Mix2 is posted non-blocking and overlaps round t+1's
+inner steps, and a worker steps with its own fresh pseudo-gradient plus the correction the last
+round's Mix2 brought:
+
+    g_i(t) = Delta_i(t) + [(W2 Delta(t-1))_i - Delta_i(t-1)]
+
+The correction sums to zero over the workers (W2 doubly stochastic), so the mean still follows
+DiLoCo exactly; only the workers' spread sees Mix2 one round late. The run's last round mixes
+at once, so nothing is in flight when it ends.
+
 Momentum policy "local" keeps m_i on the worker; "mixed" (the paper's GlobalM1S) sends m_i along
 with x_i in Mix1, doubling its bytes; "reset" clears m_i before every outer step (an ablation:
 no momentum carried across rounds). Two more ablation switches: mix1_weight alpha takes only part
@@ -42,6 +53,9 @@ class FactoredGossipDiLoCo(OuterRound):
         momentum_policy: "local", "mixed" or "reset".
         mix1_weight: alpha, the share of Mix1 a worker takes.
         mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
+        mix2_overlap: Mix2 overlaps the next round and comes back as a correction (above).
+        last_step: the run's last inner step (0: not known); with mix2_overlap the round that
+            ends there mixes at once.
         param_codec: Mix1's encoding (a dense codec; "": outer.codec when dense, else fp32).
         The pseudo-gradients of Mix2 go in `codec`, sparse ones with error feedback.
     """
@@ -57,6 +71,8 @@ class FactoredGossipDiLoCo(OuterRound):
         momentum_policy: str = "local",
         mix1_weight: float = 1.0,
         mix2_momentum: bool = False,
+        mix2_overlap: bool = False,
+        last_step: int = 0,
         param_codec: str = "",
         **outer,
     ) -> None:
@@ -67,6 +83,11 @@ class FactoredGossipDiLoCo(OuterRound):
         self.momentum_policy = momentum_policy
         self.mix1_weight = mix1_weight
         self.mix2_momentum = mix2_momentum
+        self.mix2_overlap = mix2_overlap
+        self.last_step = last_step
+        # Mix2 in flight (handle, what was sent, the buffer it mixes into), then its correction.
+        self._late: tuple[Handle, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._correction: list[torch.Tensor] | None = None
         self.param_codec = param_codec or dense_or_fp32(self.codec)
         self._mix1: tuple[Handle, list[torch.Tensor]] | None = None
 
@@ -89,7 +110,9 @@ class FactoredGossipDiLoCo(OuterRound):
         """Mix2 on the chosen pseudo-gradients, then take Mix1's result as x_i (and m_i)."""
         if self._mix1 is None:  # a caller that never calls before_step: mix now, blocking
             self.start_round()
-        if self.in_mix2:
+        if self.in_mix2 and self.mix2_overlap:
+            self._mix2_late(deltas)
+        elif self.in_mix2:
             self._mix2(deltas)
         handle, mixed = self._mix1
         handle.wait()
@@ -110,8 +133,11 @@ class FactoredGossipDiLoCo(OuterRound):
         (built from what it sent) are dropped."""
         mixed = self.in_mix2 or [False] * len(deltas)
         for d, keep in zip(deltas, mixed, strict=True):
-            if not keep:
+            if not keep or self.mix2_overlap:  # a late Mix2 left its own delta in
                 d.zero_()
+        if self.mix2_overlap:  # its correction takes back what it sent: drop it
+            self._settle_mix2()
+            self._correction = None
         for m in self.momenta() or []:
             m.zero_()
 
@@ -123,7 +149,52 @@ class FactoredGossipDiLoCo(OuterRound):
         w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
         self.comm.mix_(chosen, w2, codec=self.codec, feedback=self.feedback("mix2"), op="mix2")
 
+    def _mix2_late(self, deltas: list[torch.Tensor]) -> None:
+        """Post this round's Mix2 non-blocking and step with the last round's correction; the
+        round that ends the run waits for its own Mix2 too, so it leaves nothing in flight."""
+        correction = self._settle_mix2()
+        self._correction = None
+        idx = [k for k, keep in enumerate(self.in_mix2) if keep]
+        sent = [deltas[k].clone() for k in idx]
+        mixed = [d.clone() for d in sent]
+        w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+        feedback = self.feedback("mix2")
+        handle = self.comm.mix_(
+            mixed, w2, codec=self.codec, feedback=feedback, blocking=False, op="mix2"
+        )
+        self._late = (handle, sent, mixed)
+        if self.last_step and (self.round + 1) * self.H >= self.last_step:
+            late = self._settle_mix2()
+            correction = (
+                late
+                if correction is None
+                else [c + d for c, d in zip(correction, late, strict=True)]
+            )
+            self._correction = None
+        for k, c in zip(idx, correction or [], strict=False):
+            deltas[k].add_(c)
+
+    def _settle_mix2(self) -> list[torch.Tensor] | None:
+        """Wait for the Mix2 in flight and turn it into its correction, (W2 Delta)_i - Delta_i
+        (None: no Mix2 has been posted since the last one was applied)."""
+        if self._late is not None:
+            handle, sent, mixed = self._late
+            handle.wait()
+            self._late = None
+            self._correction = [m.sub_(s) for m, s in zip(mixed, sent, strict=True)]
+        return self._correction
+
     def state_dict(self) -> dict:
         if self._mix1 is not None:
             raise RuntimeError("checkpoint taken with Mix1 in flight; save at round ends only")
-        return super().state_dict()
+        if not self.mix2_overlap:
+            return super().state_dict()
+        correction = self._settle_mix2()  # the late Mix2 lands now, not at the next round's end
+        return {**super().state_dict(), "mix2_correction": [c.clone() for c in correction or []]}
+
+    def load_state_dict(self, state: dict, own: bool = True) -> None:
+        """A peer's state brings no correction: it is that peer's, not this worker's."""
+        super().load_state_dict(state, own)
+        self._late = None
+        correction = state.get("mix2_correction") if own else None
+        self._correction = [c.clone() for c in correction] if correction else None
