@@ -298,3 +298,21 @@ def test_evaluation_without_diagnostics_reports_the_same_loss_and_no_agreement(
         assert "consensus/total" in on and "loss/val_avg_model" in on
         assert not [k for k in off if k.startswith(("consensus/", "disagreement/"))]
         assert "loss/val_avg_model" not in off and "loss/val_workers" not in off
+
+
+def test_a_run_beside_its_baseline_plots_both_against_wall_clock(make_config, tmp_path, capsys):
+    from frugaltrain.metrics.log import read_metrics
+    from frugaltrain.metrics.report import wall_curve
+    from frugaltrain.train.baseline import baseline_config, baseline_dir
+
+    cfg = make_config("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'")
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(cfg))
+    assert cli.main(["train", "--config", str(path), "--baseline", "diloco"]) == 0
+    out = capsys.readouterr().out
+    assert "fgd beside diloco (baseline measured now" in out
+    plot = Path(out.split("plot: ")[-1].split()[0])
+    assert plot.name == "beside_diloco.png" and plot.stat().st_size > 0
+    theirs = read_metrics(baseline_dir(baseline_config(cfg, "diloco")) / "metrics.jsonl")
+    walls, losses = wall_curve(theirs)
+    assert len(walls) == len(losses) == 2 and walls[0] < walls[1]  # evaluations at steps 6, 12

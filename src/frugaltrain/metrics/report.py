@@ -244,9 +244,27 @@ def bytes_curve(records: list[dict]) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def wall_curve(records: list[dict]) -> tuple[list[float], list[float]]:
+    """(wall seconds since training started, validation loss) at each round with a validation
+    loss, on the run's own clock (measured, or the simulator's)."""
+    rounds = [r for r in records if r.get("kind") == "round" and "loss/val" in r]
+    return [r["time/wall_s"] for r in rounds], [r["loss/val"] for r in rounds]
+
+
 def plot_loss_vs_bytes(runs: list[tuple[str, list[dict]]], path: Path) -> Path:
     """Validation loss against cumulative bytes sent per worker (log x), one line per
     (label, records) run, into `path`."""
+    xlabel = "bytes sent per worker, cumulative (model-counted)"
+    return _plot_curves(runs, path, bytes_curve, xlabel, "validation loss vs bytes sent", True)
+
+
+def plot_loss_vs_wall(runs: list[tuple[str, list[dict]]], path: Path) -> Path:
+    """Validation loss against wall clock, one line per (label, records) run, into `path`."""
+    xlabel = "wall clock since training started, s"
+    return _plot_curves(runs, path, wall_curve, xlabel, "validation loss vs wall clock", False)
+
+
+def _plot_curves(runs, path: Path, curve, xlabel: str, title: str, log_x: bool) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,12 +272,13 @@ def plot_loss_vs_bytes(runs: list[tuple[str, list[dict]]], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, records in runs:
-        xs, ys = bytes_curve(records)
+        xs, ys = curve(records)
         ax.plot(xs, ys, "o-", ms=3, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes sent per worker, cumulative (model-counted)")
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("validation loss vs bytes sent")
+    ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -3,6 +3,9 @@ Factored Gossip DiLoCo), measured in the same command or reused from an earlier 
 
     frugaltrain train --config examples/default.toml --baseline diloco
 
+The launcher prints both runs' figures side by side and draws their validation loss against
+wall clock into RUN_DIR/beside_STRATEGY.png.
+
 The baseline's run directory is out_dir/baselines/STRATEGY-DIGEST, where DIGEST hashes the whole
 config but the run's name, directory and progress bar, so a cached baseline is reused only for
 the same config; any change runs it again.
@@ -14,7 +17,8 @@ import dataclasses
 from pathlib import Path
 
 from frugaltrain.config import OUTER_KEYS, Config, ConfigError, outer_for, to_dict, to_toml
-from frugaltrain.metrics.report import report
+from frugaltrain.metrics.log import read_metrics
+from frugaltrain.metrics.report import plot_loss_vs_wall, report
 from frugaltrain.train import checkpoint
 
 
@@ -46,3 +50,14 @@ def run_baseline(cfg: Config, strategy: str, run) -> tuple[dict, str]:
     print(f"baseline: {strategy} on the same config ({run_dir})", flush=True)
     run(base, run_dir)
     return report(run_dir, quiet=True), f"measured now ({run_dir})"
+
+
+def plot_beside(cfg: Config, run_dir: Path, strategy: str) -> Path:
+    """The run's and its baseline's validation loss against wall clock, as run_dir/
+    beside_STRATEGY.png (each on its own measured clock)."""
+    base_dir = baseline_dir(baseline_config(cfg, strategy))
+    runs = [
+        (f"{d.name} ({c.outer.strategy}, measured)", read_metrics(d / "metrics.jsonl"))
+        for d, c in ((run_dir, cfg), (base_dir, baseline_config(cfg, strategy)))
+    ]
+    return plot_loss_vs_wall(runs, run_dir / f"beside_{strategy}.png")

@@ -386,9 +386,10 @@ def train_from_cli(
     if is_rank0:
         summary = report(run_dir)
         if baseline:
-            from frugaltrain.train.baseline import run_baseline
+            from frugaltrain.train.baseline import plot_beside, run_baseline
 
             theirs, where = run_baseline(cfg, baseline, run)
             print(f"\n{cfg.outer.strategy} beside {baseline} (baseline {where}):")
             print(format_comparison(summary, theirs))
+            print(f"plot: {plot_beside(cfg, run_dir, baseline)}")
     return 0
