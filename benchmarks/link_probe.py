@@ -20,8 +20,8 @@ from pathlib import Path
 
 import provenance
 
+from frugaltrain.comm.probe import TRANSFERS
 from frugaltrain.netlab.lab import NetLab, why_not_available
-from frugaltrain.netlab.probe import TRANSFERS
 from frugaltrain.netlab.run import probe
 
 S = 1_870_336  # the default GPT's fp32 bytes (the model netlab.md trains)

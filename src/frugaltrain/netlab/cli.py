@@ -95,8 +95,8 @@ def _probe(args) -> int:
     import tempfile
     from pathlib import Path
 
+    from frugaltrain.comm.probe import TRANSFERS
     from frugaltrain.netlab.lab import NetLab
-    from frugaltrain.netlab.probe import TRANSFERS
     from frugaltrain.netlab.run import probe
 
     if args.workers < 2 or args.workers % 2:

@@ -1,8 +1,6 @@
-"""Measure what a netlab link really delivers to gloo: the time of a ring all-reduce and of a pair
-exchange of S bytes between the workers, with nothing else running. The pair exchange is the
-runtime's own (`TorchDistComm._exchange`, receives posted first); the same exchange with the sends
-posted first, as plain gloo code usually writes it, is timed beside it for comparison. Started in
-every namespace like a netlab worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set):
+"""Measure what a netlab link really delivers to gloo (comm/probe.py: a ring all-reduce and a pair
+exchange of S bytes, both orders of the exchange). Started in every namespace like a netlab worker
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set):
 
     python -m frugaltrain.netlab.probe BYTES REPEATS OUT_JSON      (worker 0 writes OUT_JSON)
 """
@@ -10,75 +8,20 @@ every namespace like a netlab worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from frugaltrain.comm.torchdist import TorchDistComm
-
-# What the probe times: name -> (seconds key, effective bits/s key) of its JSON.
-TRANSFERS = {
-    "all-reduce": ("allreduce_s_measured", "allreduce_effective_bps"),
-    "pair exchange (runtime)": ("pair_exchange_s_measured", "pair_effective_bps"),
-    "pair exchange, sends first": (
-        "pair_exchange_send_first_s_measured",
-        "pair_send_first_effective_bps",
-    ),
-}
-
-
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of `fn` after a first call that opens the connections (not counted)."""
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+from frugaltrain.comm.probe import measure
 
 
 def main(nbytes: int, repeats: int, out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    rank, n = dist.get_rank(), dist.get_world_size()
-    x = torch.ones(nbytes // 4)
-    peer = rank ^ 1  # pairs (0,1), (2,3): each worker sends and receives S at once
-    buf = torch.empty_like(x)
-    comm = TorchDistComm()
-    seq = iter(range(1 << 20))
-
-    def send_first() -> None:
-        for w in [dist.isend(x, peer), dist.irecv(buf, peer)]:
-            w.wait()
-
-    times = torch.tensor(
-        [
-            _timed(lambda: dist.all_reduce(x), repeats),
-            _timed(lambda: comm._exchange([x], [peer], [peer], next(seq)).wait_all(), repeats),
-            _timed(send_first, repeats),
-        ]
-    )
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest worker's
-    if rank == 0:
-        t_ar, t_pair, t_send_first = times.tolist()
+    got = measure(nbytes, repeats)
+    if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump(
-                {
-                    "bytes": nbytes,
-                    "workers": n,
-                    "allreduce_s_measured": t_ar,
-                    "pair_exchange_s_measured": t_pair,
-                    "allreduce_effective_bps": 2 * (n - 1) / n * nbytes * 8 / t_ar,
-                    "pair_effective_bps": nbytes * 8 / t_pair,
-                    "pair_exchange_send_first_s_measured": t_send_first,
-                    "pair_send_first_effective_bps": nbytes * 8 / t_send_first,
-                },
-                f,
-            )
+            json.dump(got, f)
     dist.destroy_process_group()
 
 
