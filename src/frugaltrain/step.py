@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -28,6 +29,11 @@ from frugaltrain.models import autocast
 from frugaltrain.optim import is_forge
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def worker_threads(cfg: Config) -> int:
+    """torch threads per process: run.threads, or the cores shared out (at least 1)."""
+    return cfg.run.threads or max(1, (os.cpu_count() or 1) // (cfg.run.workers * cfg.run.shards))
 
 
 class Trainee(Protocol):

@@ -41,15 +41,10 @@ from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.config import Config, build_config, to_toml
+from frugaltrain.step import worker_threads
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
 from frugaltrain.train.sharding import build_layout, shards_of
-
-
-def worker_threads(cfg: Config) -> int:
-    """torch threads per process: run.threads, or the cores shared out (at least 1)."""
-    return cfg.run.threads or max(1, (os.cpu_count() or 1) // (cfg.run.workers * cfg.run.shards))
-
 
 MMAP_THRESHOLD = "131072"  # bytes: glibc returns every freed block this large to the system
 
