@@ -38,7 +38,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from frugaltrain.comm.faults import FaultyWire
@@ -55,6 +54,7 @@ from frugaltrain.metrics.sinks import check_sinks, open_sinks
 from frugaltrain.models import build_model, evaluate, train_flops_per_token
 from frugaltrain.optim import build_inner_optimizer, build_schedule
 from frugaltrain.outer import build_strategy
+from frugaltrain.sim.clock import step_times
 from frugaltrain.sim.config import SimSection, energy_label
 from frugaltrain.sim.network import build_network
 from frugaltrain.sim.world import SimComm, SimWorld
@@ -135,8 +135,7 @@ class _Sim:
             )
         self.slots = threading.Semaphore(sim.compute_threads)
         self.barrier = threading.Barrier(M, action=self._round_end)
-        self.rng = np.random.default_rng([sim.fault_seed, 0xC10C])
-        self.step_draws = self._draw_step_times()
+        self.step_draws = step_times(sim, M, r.steps, cfg.outer.H)  # shared with clock.py
         self.records: list[dict] = []
         self.log = None
         if run_dir:
@@ -155,24 +154,6 @@ class _Sim:
         self._down_since: float | None = None
         self.counts = {"rollbacks": 0, "rejoins": 0}
         self._take_snapshot()
-
-    # ---- compute time model
-    def _draw_step_times(self) -> np.ndarray:
-        """[M, steps] simulated step times: fixed, lognormal or a per-round trace (step k of
-        round t = k // H takes compute_trace_s[t mod len] / H), times straggler slowdowns."""
-        s, M, n = self.sim, self.M, self.cfg.run.steps
-        base = np.full((M, n), s.step_s)
-        if s.compute == "lognormal" and s.step_sigma > 0:
-            base *= np.exp(self.rng.normal(0.0, s.step_sigma, (M, n)))
-        if s.compute == "trace":
-            H, trace = self.cfg.outer.H, np.asarray(s.compute_trace_s, dtype=np.float64)
-            base[:] = trace[(np.arange(n) // H) % len(trace)] / H
-        if s.straggler_prob > 0:
-            slow = self.rng.random((M, n)) < s.straggler_prob
-            if s.straggler_worker >= 0:
-                slow[np.arange(M) != s.straggler_worker] = False
-            base = np.where(slow, base * s.straggler_slowdown, base)
-        return base
 
     # ---- one virtual worker
     def _run_worker(self, i: int) -> None:
