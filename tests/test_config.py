@@ -93,6 +93,7 @@ def test_key_set_is_pinned():
             "fgd",
             "noloco",
             "streaming",
+            "auto",
         ],
         "fault_tolerance": [
             "enabled",
@@ -117,10 +118,11 @@ def test_key_set_is_pinned():
         ],
         "noloco": ["group_size", "consensus_pull"],
         "streaming": ["fragments", "overlap", "merge_alpha"],
+        "auto": ["link_mbit", "link_json", "methods"],
     }
 
 
-OUTER_SUBS = ("fgd", "noloco", "streaming")
+OUTER_SUBS = ("fgd", "noloco", "streaming", "auto")
 
 
 def test_keys_each_strategy_reads_come_from_the_sections():
@@ -171,7 +173,7 @@ def test_toml_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, codec, feedback_decay, fgd"),
+        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, auto, codec, feedback_decay"),
         (["run.workers=two"], "run.workers = 'two': expected int, got str"),
         (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
         (["outer.H=0"], "outer.H = 0: must be at least 1"),

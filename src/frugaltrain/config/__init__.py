@@ -16,6 +16,7 @@ from frugaltrain.config.base import (
     to_toml,
 )
 from frugaltrain.config.training import (
+    AUTO_METHODS,
     CODECS,
     FGD_PRESETS,
     INNER_OPTIMIZERS,
@@ -24,6 +25,7 @@ from frugaltrain.config.training import (
     SHARED_KEYS,
     SPARSE_CODEC,
     TOPOLOGIES,
+    AutoSection,
     Config,
     DataSection,
     FaultToleranceSection,
@@ -50,7 +52,9 @@ def load_config(path=None, overrides: list[str] | None = None) -> Config:
 
 
 __all__ = [
+    "AUTO_METHODS",
     "ArgumentParser",
+    "AutoSection",
     "CODECS",
     "SPARSE_CODEC",
     "FGD_PRESETS",

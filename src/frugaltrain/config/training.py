@@ -25,7 +25,9 @@ from frugaltrain.config.base import ConfigError, Section, require
 # The shared [outer] keys each strategy reads (besides outer.strategy); each also reads all of
 # its own sub-section ([outer.fgd], [outer.noloco], [outer.streaming]), so the full list,
 # OUTER_KEYS, is derived from the dataclasses below. The names are those `outer.strategy`
-# accepts; outer.STRATEGIES maps them to classes whose constructors take these keys.
+# accepts; outer.STRATEGIES maps them to classes whose constructors take these keys, all but
+# auto, which the launcher replaces by the method the planner picks (sim/plan.py) before any
+# worker starts (it reads only H and [outer.auto]).
 _ROUND_KEYS = ("H", "lr", "momentum", "nesterov", "codec", "feedback_decay")
 SHARED_KEYS = {
     "ddp": ("H",),
@@ -33,7 +35,21 @@ SHARED_KEYS = {
     "fgd": (*_ROUND_KEYS, "param_codec"),
     "noloco": ("H", "lr", "momentum", "codec", "feedback_decay", "param_codec"),
     "streaming": _ROUND_KEYS,
+    "auto": ("H",),
 }
+AUTO_METHODS = (
+    "diloco",
+    "diloco-int8",
+    "streaming",
+    "noloco",
+    "GlobalM1",
+    "GlobalM1LocalM2",
+    "subset",
+    "ddp",
+)
+"""The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: each an example
+config's [outer] as shipped (examples/), measured side by side by benchmarks/time_to_loss.py;
+sim/penalties.json holds each one's [outer] table and its measured step penalty."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
@@ -459,13 +475,51 @@ class StreamingSection(Section):
 
 
 @dataclass(kw_only=True)
+class AutoSection(Section):
+    """[outer.auto]: how `outer.strategy = "auto"` picks a method. The launcher plans on these
+    links before any worker starts (sim/plan.py: measured step time, simulated clock, measured
+    step penalty), runs the pick and writes it into the run directory's config.toml."""
+
+    section = "outer.auto"
+    link_mbit: list[float] = field(default_factory=list)
+    """Each worker's link in Mbit/s, as stated (given): one value for every worker, or one per
+    worker."""
+    link_json: str = ""
+    """A link probe's JSON (`frugaltrain netlab probe --out FILE`): the all-reduce's and the pair
+    exchange's effective rates (measured). Set this or link_mbit."""
+    methods: list[str] = field(default_factory=list)
+    """The methods to choose from (config.AUTO_METHODS; empty: all of them)."""
+
+    def check(self) -> None:
+        self.require(all(r > 0 for r in self.link_mbit), "link_mbit", "every rate must be > 0")
+        self.require(
+            not (self.link_mbit and self.link_json),
+            "link_json",
+            f"and {self.key('link_mbit')} both give the links; set one of them",
+        )
+        self.require(
+            not self.link_json or Path(self.link_json).expanduser().is_file(),
+            "link_json",
+            "no such file; write one with `frugaltrain netlab probe --out FILE`, or set "
+            f"{self.key('link_mbit')}",
+        )
+        unknown = [m for m in self.methods if m not in AUTO_METHODS] or [""]
+        self.require(
+            unknown == [""],
+            "methods",
+            f"{unknown[0]!r} is no method; choose among {', '.join(AUTO_METHODS)}",
+        )
+
+
+@dataclass(kw_only=True)
 class OuterSection(Section):
     """[outer]: the keys several strategies share, and one sub-section per strategy with keys
     of its own (a sub-section is read only by the strategy it is named after)."""
 
     section = "outer"
     strategy: str = "diloco"
-    """Outer strategy: ddp, diloco, fgd (Factored Gossip DiLoCo), noloco or streaming."""
+    """Outer strategy: ddp, diloco, fgd (Factored Gossip DiLoCo), noloco, streaming, or auto (the
+    launcher runs the method `frugaltrain plan` picks for [outer.auto]'s links)."""
     H: int = 50
     """Inner steps per outer round (for ddp: steps per logged round)."""
     lr: float = 0.7
@@ -491,6 +545,8 @@ class OuterSection(Section):
     """NoLoCo's own keys ([outer.noloco])."""
     streaming: StreamingSection = field(default_factory=StreamingSection)
     """Streaming DiLoCo's own keys ([outer.streaming])."""
+    auto: AutoSection = field(default_factory=AutoSection)
+    """How outer.strategy = "auto" picks a method ([outer.auto])."""
 
     def check(self) -> None:
         self.one_of("strategy", SHARED_KEYS)
@@ -510,6 +566,13 @@ class OuterSection(Section):
         )
         if self.strategy == "streaming":
             self._check_streaming_schedule()
+        self.auto.require(
+            self.strategy != "auto" or bool(self.auto.link_mbit or self.auto.link_json),
+            "link_mbit",
+            "outer.strategy = 'auto' plans on the workers' links; set outer.auto.link_mbit = "
+            "[RATE] (Mbit/s per worker) or outer.auto.link_json = 'PROBE.json' (written by "
+            "`frugaltrain netlab probe --out`)",
+        )
 
     def _check_streaming_schedule(self) -> None:
         s = self.streaming
@@ -558,6 +621,13 @@ def outer_keys(strategy: str) -> tuple[str, ...]:
 OUTER_KEYS = {name: outer_keys(name) for name in SHARED_KEYS}
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default, made by its factory if it has one (a list key's [])."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
 def _outer_items(o: OuterSection) -> list[tuple[str, Any, Any]]:
     """(key dotted below outer, value, default) of every [outer] key, sub-sections included."""
     items = []
@@ -565,7 +635,7 @@ def _outer_items(o: OuterSection) -> list[tuple[str, Any, Any]]:
         value = getattr(o, f.name)
         if isinstance(value, Section):
             items += [
-                (f"{f.name}.{g.name}", getattr(value, g.name), g.default)
+                (f"{f.name}.{g.name}", getattr(value, g.name), _default(g))
                 for g in dataclasses.fields(value)
             ]
         else:
@@ -696,6 +766,8 @@ class Config:
             _check_streaming(o, m)
         if r.shards > 1:
             _check_shards(r, d, opt, o)
+        if o.strategy == "auto":
+            _check_auto(o.auto, r)
         _check_faults(self.fault_tolerance, r, o)
         _warn_unused_outer_keys(o)
 
@@ -724,6 +796,29 @@ def _check_shards(r: RunSection, d: DataSection, opt: OptimSection, o: OuterSect
         f"ddp averages gradients every step, which FSDP2 inside a replica (run.shards = "
         f"{r.shards}) does not hand to it; use a DiLoCo-family strategy (diloco, fgd, noloco, "
         "streaming) with shards, or run.shards = 1 with ddp",
+    )
+
+
+def _check_auto(a: AutoSection, r: RunSection) -> None:
+    """What the planner behind outer.strategy = 'auto' needs from the run."""
+    require(
+        r.workers >= 2,
+        "run.workers",
+        r.workers,
+        "with one worker every outer method is the same training, so outer.strategy = 'auto' "
+        "has nothing to pick; set outer.strategy = 'diloco' or run.workers >= 2",
+    )
+    require(
+        r.shards == 1,
+        "run.shards",
+        r.shards,
+        "outer.strategy = 'auto' plans whole replicas, one process each; set run.shards = 1, "
+        "or pick a method with `frugaltrain plan` and set outer.strategy to it",
+    )
+    a.require(
+        len(a.link_mbit) in (0, 1, r.workers),
+        "link_mbit",
+        f"give one rate for every worker or run.workers = {r.workers} rates",
     )
 
 

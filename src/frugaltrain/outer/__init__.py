@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from frugaltrain.comm import Comm
-from frugaltrain.config import Config, OuterSection
+from frugaltrain.config import Config, ConfigError, OuterSection
 from frugaltrain.outer.base import Diagnostics, Strategy
 from frugaltrain.outer.ddp import DDP
 from frugaltrain.outer.diloco import DiLoCo
@@ -46,6 +46,12 @@ def build_strategy(
     `cfg`: a whole config (seeded by its run.seed), or an [outer] section alone seeded by
     `seed` (wrap)."""
     o, seed = (cfg.outer, cfg.run.seed) if isinstance(cfg, Config) else (cfg, seed)
+    if o.strategy not in STRATEGIES:  # auto: the launcher replaces it before any worker starts
+        raise ConfigError(
+            f"outer.strategy = {o.strategy!r} is resolved by `frugaltrain train` before its "
+            f"workers start; here name the method (one of {', '.join(STRATEGIES)}): "
+            "`frugaltrain plan` says which"
+        )
     keys = o.strategy_keys()
     if o.strategy == "fgd" and isinstance(cfg, Config):  # a late Mix2 settles at the run's end
         keys["last_step"] = cfg.run.steps

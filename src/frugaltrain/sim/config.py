@@ -148,6 +148,13 @@ class SimSection(Section):
             self.require(M >= 2, "crash_worker", "a crash needs run.workers >= 2")
             self.at_least("crash_rounds", 1, "with a crash")
         require(
+            cfg.outer.strategy != "auto",
+            "outer.strategy",
+            cfg.outer.strategy,
+            "the simulator runs one method; `frugaltrain plan` predicts every method for your "
+            "links (and `compare` trains them side by side); set outer.strategy to a method",
+        )
+        require(
             cfg.run.device == "cpu",
             "run.device",
             cfg.run.device,

@@ -24,8 +24,9 @@ from frugaltrain.train import checkpoint
 
 def baseline_config(cfg: Config, strategy: str) -> Config:
     """`cfg` under `strategy`, with the [outer] keys that strategy does not read at defaults."""
-    if strategy not in OUTER_KEYS:
-        raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(OUTER_KEYS)}")
+    methods = [s for s in OUTER_KEYS if s != "auto"]  # a baseline is one fixed method
+    if strategy not in methods:
+        raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(methods)}")
     outer = outer_for(cfg.outer, strategy)
     run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
     return dataclasses.replace(cfg, outer=outer, run=run)
