@@ -7,6 +7,9 @@ depend on whether the others are blocked.
         --seeds 0,1,2 --out benchmarks/results/time_to_loss.json
     python benchmarks/time_to_loss.py --table JSON              # the tables and the PNG again
     python benchmarks/time_to_loss.py --resimulate JSON [CASE]  # the simulator's curves again
+    python benchmarks/time_to_loss.py --penalties JSON src/frugaltrain/sim/penalties.json
+                                      # the planner's step penalties (`frugaltrain plan`)
+    python benchmarks/time_to_loss.py --check-against JSON  # the planner against the runs
 
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
 Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
@@ -341,6 +344,164 @@ def plot(record: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _steps_to(record: dict, method: str) -> dict[int, list]:
+    """{seed: what each case's run of `method` got}: the fraction of DiLoCo's steps (same case
+    and seed) at which its validation loss first reached DiLoCo's final one (linear between
+    evaluations), "not reached" after all its steps, or ("stopped", fraction of the steps run)
+    when the wall-clock budget stopped it first."""
+    got: dict[int, list] = {}
+    for case in record["cases"].values():
+        base = {r["seed"]: r for r in case["runs"] if r["method"] == BASELINE}
+        for r in (r for r in case["runs"] if r["method"] == method):
+            d = base[r["seed"]]
+            steps = time_to(d["val_loss"][-1], r["step"], r["val_loss"])
+            if steps is not None:
+                value = steps / d["step"][-1]
+            elif r["step"][-1] < d["step"][-1]:
+                value = ("stopped", r["step"][-1] / d["step"][-1])
+            else:
+                value = "not reached"
+            got.setdefault(r["seed"], []).append(value)
+    return got
+
+
+def outer_table(method: str) -> dict:
+    """The method's [outer] table as its example sets it, with the variant's overrides and
+    without H (a run keeps its own)."""
+    import tomllib
+
+    from frugaltrain.config import read_toml
+
+    path, extra = overrides(method, [])
+    table = read_toml(path)["outer"]
+    for item in extra:  # e.g. outer.codec='int8'
+        key, _, value = item.partition("=")
+        *parents, last = key.split(".")[1:]
+        node = table
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = tomllib.loads(f"v = {value}")["v"]
+    table.pop("H", None)
+    return table
+
+
+def penalties(record: dict) -> dict:
+    """The planner's table (src/frugaltrain/sim/penalties.json): per method, its [outer] table
+    as its example ships it (with the variant's overrides; H is the run's own) and the fraction
+    of DiLoCo's steps it needs to reach DiLoCo's final loss: the mean over seeds. A seed's curve
+    is the same in every case (its losses do not depend on the links), so each seed counts once:
+    reached if any case's run reached it, else "not reached", or "stopped" (at the budget,
+    before all its steps) with the fraction it had run."""
+    methods = {}
+    for m in record["methods"]:
+        seeds = {}
+        for seed, got in sorted(_steps_to(record, m).items()):
+            reached = [g for g in got if isinstance(g, float)]
+            stopped = [g[1] for g in got if isinstance(g, tuple)]
+            if reached:
+                seeds[str(seed)] = statistics.mean(reached)
+            elif "not reached" in got:
+                seeds[str(seed)] = "not reached"
+            else:
+                seeds[str(seed)] = f"stopped by the budget at {max(stopped):.2f} of the steps"
+        fractions = [v for v in seeds.values() if isinstance(v, float)]
+        example, extra = METHODS[m]
+        methods[m] = {
+            "example": f"examples/{example}.toml",
+            "overrides": extra,
+            "outer": outer_table(m),
+            "steps_fraction": statistics.mean(fractions) if fractions else None,
+            "reached": f"{len(fractions)}/{len(seeds)}",
+            "seeds": seeds,
+        }
+    base = load_config(*overrides(BASELINE, []))
+    return {
+        "kind": "measured",
+        "source": "benchmarks/results/time_to_loss.json",
+        "date": record["date"],
+        "measured_on": record["data"],
+        "tuned_on": record["tuned_on"],
+        "workers": base.run.workers,
+        "steps": record["steps"],
+        "H": record["H"],
+        "seeds": record["seeds"],
+        "rule": "fraction of DiLoCo's steps at which the method's validation loss first reached "
+        "DiLoCo's final one (same case and seed, linear between evaluations), mean over the "
+        "seeds that reached it",
+        "methods": methods,
+    }
+
+
+def plan_cases(record: dict) -> list[dict]:
+    """Per case, the planner fed the case's probe (with its links' nominal rates) and DiLoCo's
+    measured step time (mean over seeds): its estimated time to DiLoCo's loss as a ratio to
+    DiLoCo's per method, beside the measured ratios and the simulator's (seed 0, trained); its
+    pick and the measured fastest (lowest mean ratio over the seeds that reached the loss). The
+    step penalties come from these same runs, so this checks the clock and the composition, not
+    how the penalties carry over to other configs."""
+    from frugaltrain.sim.plan import StepTime, links_from_probe, make_plan
+
+    shared = [s for s in record["shared"] if not s.startswith("run.seed=")]
+    cfg = load_config(*overrides(BASELINE, shared))
+    found = {(a["case"], a["method"]): a for a in analyze(record)}
+    out = []
+    for name, case in record["cases"].items():
+        steps = [r["step_s_measured"] for r in case["runs"] if r["method"] == BASELINE]
+        step = StepTime(statistics.mean(steps), "measured (DiLoCo's runs of the case)")
+        links = links_from_probe(
+            case["probe"], cfg.run.workers, case["rates_mbit"], f"the {name} probe"
+        )
+        plan = make_plan(cfg, links, step, record["methods"])
+        rows = [(r, found[(name, r.method)]) for r in plan.rows]
+        means = {r.method: statistics.mean(got) for r, a in rows
+                 if (got := [x for x in a["ratios"] if x is not None])}  # fmt: skip
+        fastest = min(means, key=means.get)
+        out.append({"case": name, "rates": case["rates_mbit"], "step_s": step.seconds,
+                    "rows": rows, "pick": plan.pick, "fastest": fastest})  # fmt: skip
+    return out
+
+
+_PLAN_TABLES: dict[str, str] = {}  # tables.py renders every table once per check: plan once
+
+
+def plan_table(record: dict) -> str:
+    """`plan_cases` as one table: the pick column marks the plan's pick and the measured
+    fastest."""
+    key = json.dumps(record, sort_keys=True)
+    if key in _PLAN_TABLES:
+        return _PLAN_TABLES[key]
+    lines = [
+        "| case | method | plan, x DiLoCo (estimated) | measured, x DiLoCo (mean, min-max "
+        "over seeds) | simulator, x DiLoCo (seed 0) | plan's pick / measured fastest |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in plan_cases(record):
+        for r, a in c["rows"]:
+            plan = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+            if r.steps_fraction is None:
+                plan = "not reached"
+            sim = ", ".join("-" if x is None else f"{x:.2f}" for x in a["sim_ratio"]) or "-"
+            marks = [
+                w for w, m in (("pick", c["pick"]), ("fastest", c["fastest"])) if m == r.method
+            ]
+            lines.append(f"| {c['case']} | {r.method} | {plan} | {_fmt_ratios(a['ratios'])} "
+                         f"| {sim} | {' / '.join(marks)} |")  # fmt: skip
+    _PLAN_TABLES[key] = "\n".join(lines)
+    return _PLAN_TABLES[key]
+
+
+def check_against(record: dict) -> str:
+    """The plan table, then per case its links, step time and whether the pick is the
+    measured fastest."""
+    lines = [plan_table(record), ""]
+    for c in plan_cases(record):
+        rates = "/".join(f"{x:g}" for x in c["rates"])
+        same = "the same" if c["pick"] == c["fastest"] else "not the same"
+        lines.append(f"{c['case']}: links {rates} Mbit/s, step {c['step_s']:.4f} s: pick "
+                     f"{c['pick']}, measured fastest {c['fastest']} ({same})")  # fmt: skip
+    return "\n".join(lines)
+
+
 def resimulate(path: Path, only: list[str]) -> None:
     """Recompute the simulator's curves of a results file, of the cases named in `only` (all if
     empty); its measured runs are kept."""
@@ -363,6 +524,13 @@ def resimulate(path: Path, only: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--resimulate"]:
         resimulate(Path(sys.argv[2]), sys.argv[3:])
+    elif sys.argv[1:2] == ["--penalties"]:
+        out = Path(sys.argv[3])
+        out.write_text(json.dumps(penalties(json.loads(Path(sys.argv[2]).read_text())), indent=1)
+                       + "\n")  # fmt: skip
+        print(f"wrote {out}")
+    elif sys.argv[1:2] == ["--check-against"]:
+        print(check_against(json.loads(Path(sys.argv[2]).read_text())))
     elif sys.argv[1:2] == ["--table"]:
         rec = json.loads(Path(sys.argv[2]).read_text())
         print(links_table(rec))

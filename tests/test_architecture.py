@@ -24,14 +24,14 @@ LEVEL = {
     "comm": 4,
     "outer": 5,
     "step": 5,  # one inner step, shared by train/ and sim/
-    "train": 6,
     "sim": 6,
     "flow": 6,
     "outer_loop": 6,  # the library entry (frugaltrain.wrap): outer, comm, config and lower
-    "netlab": 7,
-    "cli": 8,
-    "__main__": 9,
-    "__init__": 9,
+    "train": 7,  # over sim/: the launcher plans outer.strategy = "auto" with sim/plan.py
+    "netlab": 8,
+    "cli": 9,
+    "__main__": 10,
+    "__init__": 10,
 }
 KERNELS = {"forge/triton_kernel.py:_fused_wgrad_kernel"}  # launch arguments one per line
 

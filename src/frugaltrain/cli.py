@@ -10,6 +10,7 @@
     frugaltrain flow ...                             # FlowTrain vision-language (flow/cli.py)
     frugaltrain simulate CONFIG --set sim.ratio=0.887  # virtual workers, simulated clock
     frugaltrain compare CONFIG --methods diloco,GlobalM1 # methods side by side (sim/compare.py)
+    frugaltrain plan --config c.toml --link-mbit 22   # the method soonest to DiLoCo's loss
 
 Subsystems with many verbs own their parser (`frugaltrain.<subsystem>.cli.main(argv) -> int`);
 this file only routes to them, importing lazily so a missing optional extra never breaks `train`.
@@ -32,6 +33,7 @@ SUBSYSTEM_COMMANDS = {
     "netlab": "frugaltrain.netlab.cli",
     "simulate": "frugaltrain.sim.cli",
     "compare": "frugaltrain.sim.compare",
+    "plan": "frugaltrain.sim.plan_cli",
 }
 
 

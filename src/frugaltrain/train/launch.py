@@ -11,6 +11,7 @@ or this process as one worker under torchrun.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import timedelta
@@ -291,6 +292,8 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
     if under_torchrun():
         _join_torchrun(cfg)
         run_dir, restarted = _shared_run_dir(cfg)
+        if cfg.outer.strategy == "auto":  # a restart keeps the pick its first start made
+            cfg = _resolve_auto(cfg, run_dir, run_dir / "config.toml" if restarted else None)
         if not restarted:
             return cfg, run_dir, None
         # torchrun restarted every worker after a failure: go on from the newest checkpoint
@@ -298,7 +301,59 @@ def prepare(config_path: str | None, overrides: list[str], resume: str | None):
         if ckpt is None and dist.get_rank() == 0:  # none yet: start over in the same directory
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         return cfg, run_dir, ckpt
+    if cfg.outer.strategy == "auto":
+        cfg, plan = _pick(cfg, None)
+        run_dir = new_run_dir(cfg)
+        _write_plan(run_dir, plan)
+        return cfg, run_dir, None
     return cfg, new_run_dir(cfg), None
+
+
+def _pick(cfg: Config, saved: Path | None) -> tuple[Config, dict | None]:
+    """outer.strategy = 'auto' replaced by the method sim/plan.py picks for [outer.auto]'s links
+    (printed in one line, with why), and the plan as JSON; or by the [outer] of `saved`, the
+    config.toml of a run that already made its pick (None: no plan)."""
+    if saved is not None and saved.is_file():
+        outer, plan = read_toml(saved)["outer"], None
+    else:
+        from frugaltrain.sim.plan import plan_json, resolve_auto
+
+        picked, made = resolve_auto(cfg)
+        outer, plan = to_dict(picked)["outer"], plan_json(made)
+        strategy = picked.outer.strategy
+        name = made.pick if made.pick == strategy else f"{made.pick} ({strategy})"
+        print(
+            f"outer.strategy = 'auto': running {name} on {made.links.what} "
+            f"({made.links.label}) with {made.step.seconds:.4g} s steps (measured): {made.reason}",
+            flush=True,
+        )
+    raw = to_dict(cfg)
+    raw["outer"] = outer
+    return build_config(Config, raw), plan
+
+
+def _write_plan(run_dir: Path, plan: dict | None) -> None:
+    if plan is not None:
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def _resolve_auto(cfg: Config, run_dir: Path, saved: Path | None) -> Config:
+    """`_pick` under torchrun: rank 0 picks (every rank must run the same method) and sends
+    the others its config."""
+    group = dist.new_group(backend="gloo")
+    box: list = [None, None]  # (the config, None) or (None, why rank 0 could not pick)
+    if dist.get_rank() == 0:
+        try:
+            cfg, plan = _pick(cfg, saved)
+            _write_plan(run_dir, plan)
+            box = [cfg, None]
+        except ConfigError as e:  # every rank stops with it, none waits for a pick
+            box = [None, str(e)]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    return box[0]
 
 
 # What a resumed run may change: how long it runs and how it reports, not what it computes.
@@ -328,6 +383,8 @@ def _resumable(config_path: str | None, overrides: list[str], resume: str):
     raw = read_toml(saved)
     if config_path:  # allowed only for keys a resumed run may change
         given, kept = to_dict(load_config(config_path)), to_dict(build_config(Config, raw))
+        if given["outer"]["strategy"] == "auto":  # the run keeps the method it picked
+            given["outer"] = kept["outer"]
         may_change = {*RESUME_MAY_CHANGE, "run.name", "run.out_dir"}
         old = flat_items(kept)
         changed = [
@@ -365,8 +422,9 @@ def train_from_cli(
     from frugaltrain.metrics.report import format_comparison, report
 
     torchrun = under_torchrun()
-    if baseline and baseline not in OUTER_KEYS:
-        raise ConfigError(f"--baseline {baseline!r}: choose one of {', '.join(OUTER_KEYS)}")
+    methods = [s for s in OUTER_KEYS if s != "auto"]  # a baseline is one fixed method
+    if baseline and baseline not in methods:
+        raise ConfigError(f"--baseline {baseline!r}: choose one of {', '.join(methods)}")
     if baseline and torchrun:
         raise ConfigError("--baseline runs a second local run; launch the baseline on its own")
     cfg, run_dir, ckpt = prepare(config_path, overrides, resume)

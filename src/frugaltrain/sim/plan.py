@@ -1,0 +1,413 @@
+"""Which outer method reaches DiLoCo's model quality soonest in wall clock on your links: the
+planner behind `frugaltrain plan` and `outer.strategy = "auto"`. It takes seconds.
+
+Per method (config.AUTO_METHODS: the examples' [outer] tables, with this config's outer.H):
+
+    step time      measured: 1 warm-up and 3 timed inner steps of this config's model, batch
+                   and inner optimizer on this machine (step.inner_step), one step time for all
+    links          given (each worker's rate in Mbit/s, point-to-point at the same rate) or
+                   measured (a probe's effective all-reduce rate and pair-exchange ratio)
+    clock          simulated: the simulator's clock of run.steps for the method (sim/clock.py,
+                   equal to `simulate`'s), compute fixed at the step time
+    steps needed   measured: the fraction of DiLoCo's steps the method took to reach DiLoCo's
+                   final validation loss in benchmarks/time_to_loss.py (mean over seeds; the
+                   packaged penalties.json says on which corpus, tuned on which)
+    time to loss   estimated: the clock at that fraction of run.steps, and its ratio to DiLoCo's
+
+The pick is the method with the shortest estimated time. A method that never reached DiLoCo's
+loss in the measurements gets no estimate, and one this config cannot run (e.g. ddp with FORGE)
+says why. Evaluations are not counted (they cost every method the same).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from frugaltrain.config import AUTO_METHODS, Config, ConfigError, build_config, to_dict
+from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
+from frugaltrain.models import build_model
+from frugaltrain.optim import build_inner_optimizer, build_schedule
+from frugaltrain.sim.clock import clock
+from frugaltrain.sim.config import SimSection
+from frugaltrain.step import inner_step, worker_threads
+
+BASELINE = "diloco"
+PENALTIES = Path(__file__).with_name("penalties.json")
+"""Each method's [outer] table and measured step penalty, written from
+benchmarks/results/time_to_loss.json by `python benchmarks/time_to_loss.py --penalties`."""
+
+
+def load_penalties() -> dict:
+    return json.loads(PENALTIES.read_text())
+
+
+def check_methods(names: list[str], key: str) -> None:
+    """Refuse a method the planner does not know, naming the flag or key it came from."""
+    for name in names:
+        if name not in AUTO_METHODS:
+            raise ConfigError(
+                f"{key}: unknown method {name!r}; choose among {', '.join(AUTO_METHODS)}"
+            )
+
+
+def method_config(cfg: Config, outer: dict) -> Config:
+    """`cfg` with the method's [outer] table in place of its own (keeping its outer.H); a
+    ConfigError if this config cannot run the method."""
+    raw = to_dict(cfg)
+    raw["outer"] = {**copy.deepcopy(outer), "H": cfg.outer.H}
+    with warnings.catch_warnings():  # the table holds only keys its strategy reads
+        warnings.simplefilter("ignore")
+        return build_config(Config, raw)
+
+
+# ---------------------------------------------------------------- what the plan is fed
+
+
+@dataclass
+class Links:
+    """The workers' links as the simulator's network takes them."""
+
+    bandwidth_bps: list[float]
+    """Each worker's all-reduce rate, bits/s (one value: every worker)."""
+    p2p_ratio: float
+    """A pair exchange's effective rate over the all-reduce's (sim.p2p_bandwidth_ratio)."""
+    label: str
+    """given or measured."""
+    what: str
+    """Where they come from, in words."""
+
+
+_FIX = "write one with `frugaltrain netlab probe --out FILE`"
+
+
+def links_given(mbit: list[float], workers: int, key: str = "--link-mbit") -> Links:
+    """Rates as stated, in Mbit/s: one for every worker or one per worker."""
+    if len(mbit) not in (1, workers) or not all(r > 0 for r in mbit):
+        raise ConfigError(
+            f"{key} = {mbit}: give one rate > 0 (Mbit/s) for every worker or one per worker "
+            f"(run.workers = {workers})"
+        )
+    rates = "/".join(f"{r:g}" for r in mbit)
+    each = " each" if len(mbit) == 1 else ""
+    return Links([r * 1e6 for r in mbit], 1.0, "given", f"{rates} Mbit/s{each}")
+
+
+def links_from_probe(
+    probe: dict, workers: int, rates_mbit: list[float] | None = None, what: str = "a probe"
+) -> Links:
+    """Links from a probe's JSON (comm/probe.py's keys). With the links' nominal rates (the
+    probe's "rates_mbit", or given), each link keeps the share of its rate the probe found, as
+    the ring runs at its slowest link (benchmarks/time_to_loss.py does the same); without,
+    every link gets the all-reduce's effective rate."""
+    try:
+        ar, pair = float(probe["allreduce_effective_bps"]), float(probe["pair_effective_bps"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"{what}: no {e} number: a link probe's JSON has allreduce_effective_bps and "
+            f"pair_effective_bps; {_FIX}"
+        ) from None
+    if not (ar > 0 and pair > 0):
+        raise ConfigError(
+            f"{what}: effective rates must be > 0 bits/s, got {ar:g} and {pair:g}; {_FIX}"
+        )
+    rates = rates_mbit or probe.get("rates_mbit")
+    if rates and len(rates) not in (1, workers):
+        raise ConfigError(
+            f"{what}: rates_mbit has {len(rates)} rates for {workers} workers; give one or "
+            f"{workers}"
+        )
+    bandwidth = [r * ar / min(rates) for r in rates] if rates else [ar]
+    return Links(
+        bandwidth,
+        pair / ar,
+        "measured",
+        f"all-reduce {ar / 1e6:.3g} Mbit/s, pair exchange {pair / 1e6:.3g} Mbit/s ({what})",
+    )
+
+
+def read_probe(path: str, workers: int, key: str = "--link-json") -> Links:
+    try:
+        probe = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{key} = {path!r}: not a readable JSON file ({e.__class__.__name__}); {_FIX}"
+        ) from None
+    if not isinstance(probe, dict):
+        raise ConfigError(
+            f"{key} = {path!r}: a probe's JSON is an object, got {probe!r:.40}; {_FIX}"
+        )
+    return links_from_probe(probe, workers, what=f"{key} = {path!r}")
+
+
+@dataclass
+class StepTime:
+    """Seconds of one inner step, and how they were had."""
+
+    seconds: float
+    label: str
+    """measured, with how."""
+    timed: int = 0
+    """Inner steps timed (after the warm-up)."""
+    warmup: int = 0
+
+
+class _NoOuter:
+    """The outer strategy of a timed step: nothing (its communication is the clock's part)."""
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def sync_grads(self) -> None:
+        pass
+
+
+@dataclass
+class _Trainee:
+    model: torch.nn.Module
+    inner: torch.optim.Optimizer
+    schedule: object
+    strategy: object = field(default_factory=_NoOuter)
+
+
+def measure_step_time(cfg: Config, timed: int = 3, warmup: int = 1) -> StepTime:
+    """Wall seconds of one inner step of worker 0 (its model, batch and inner optimizer, on
+    run.device with the threads a worker gets, step.worker_threads): the mean of `timed`
+    steps after `warmup` steps that are not counted."""
+    device = torch.device("cuda:0" if cfg.run.device == "cuda" else "cpu")
+    d, threads = cfg.data, worker_threads(cfg)
+    corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
+    shard = shard_tokens(corpus.train, 0, cfg.run.workers, d.num_shards, d.sharding)
+    sampler = BatchSampler(shard, d.seq_len, d.batch_size, worker_seed(cfg.run.seed, 0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = build_model(cfg).to(device)
+        model.train()
+        inner = build_inner_optimizer(model, cfg.optim)
+        w = _Trainee(model, inner, build_schedule(inner, cfg.optim, cfg.run.steps))
+        seconds = []
+        for k in range(warmup + timed):
+            batch = tuple(t.to(device) for t in sampler.batch(k))
+            _sync(device)
+            t0 = time.perf_counter()
+            inner_step(w, cfg, k, lambda b=batch: b, device=device, who="plan")
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    how = f"mean of {timed} inner steps after {warmup} warm-up, {device.type}"
+    how += f", {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else ""
+    return StepTime(statistics.mean(seconds[warmup:]), f"measured ({how})", timed, warmup)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class Row:
+    """One method's line of the plan; None where there is no figure (`note` says why)."""
+
+    method: str
+    strategy: str
+    candidate: bool
+    """Among the methods to pick from (DiLoCo is always planned: the reference)."""
+    util: float | None = None
+    """Compute utilization on the simulated clock."""
+    clock_s: float | None = None
+    """Simulated seconds of the whole run.steps."""
+    steps_fraction: float | None = None
+    """Measured fraction of DiLoCo's steps to DiLoCo's final loss."""
+    seeds: str = ""
+    """Seeds that reached it in the measurements, e.g. 2/3."""
+    time_s: float | None = None
+    """Estimated seconds to DiLoCo's final loss."""
+    ratio: float | None = None
+    """time_s over DiLoCo's."""
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    workers: int
+    steps: int
+    H: int
+    step: StepTime
+    links: Links
+    penalties: dict
+    """The penalties' provenance (penalties.json less its methods)."""
+    rows: list[Row]
+    pick: str | None
+    reason: str
+
+
+def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool) -> Row:
+    row = Row(name, entry["outer"]["strategy"], pick, seeds=entry["reached"])
+    try:
+        mcfg = method_config(cfg, entry["outer"])
+        sim = SimSection(
+            step_s=step.seconds,
+            bandwidth_bps=links.bandwidth_bps,
+            p2p_bandwidth_ratio=links.p2p_ratio,
+        )
+        c = clock(mcfg, sim)
+    except ConfigError as e:
+        row.note = f"not for this config: {e}"
+        return row
+    row.util, row.clock_s = c.util, c.sim_s[-1]
+    row.steps_fraction = entry["steps_fraction"]
+    if row.steps_fraction is None:
+        row.note = f"never reached DiLoCo's loss in the measurements ({entry['reached']} seeds)"
+    else:
+        row.time_s = c.at_step(row.steps_fraction * cfg.run.steps)
+    return row
+
+
+def make_plan(cfg: Config, links: Links, step: StepTime, methods: list[str] | None = None) -> Plan:
+    """Every method's predicted time to DiLoCo's loss on `links` at `step`, and the pick among
+    `methods` (default: all of config.AUTO_METHODS)."""
+    methods = list(methods or AUTO_METHODS)
+    check_methods(methods, "methods")
+    if cfg.run.workers < 2:
+        raise ConfigError(
+            f"run.workers = {cfg.run.workers}: with one worker every outer method is the same "
+            "training; plan a run of 2 or more workers"
+        )
+    pen = load_penalties()
+    names = methods if BASELINE in methods else [BASELINE, *methods]
+    rows = [_row(cfg, m, pen["methods"][m], links, step, m in methods) for m in names]
+    base = next(r for r in rows if r.method == BASELINE)
+    for r in rows:
+        if r.time_s is not None and base.time_s:
+            r.ratio = r.time_s / base.time_s
+    ranked = sorted((r for r in rows if r.candidate and r.time_s is not None), key=_time)
+    meta = {k: v for k, v in pen.items() if k != "methods"}
+    plan = Plan(cfg.run.workers, cfg.run.steps, cfg.outer.H, step, links, meta, rows, None, "")
+    plan.pick = ranked[0].method if ranked else None
+    plan.reason = _reason(ranked)
+    return plan
+
+
+def _time(r: Row) -> float:
+    return r.time_s
+
+
+def _reason(ranked: list[Row]) -> str:
+    if not ranked:
+        return "no method to pick: none of them has an estimate here (see the notes)"
+    best = ranked[0]
+    why = (
+        f"the shortest estimated time to DiLoCo's loss, {best.time_s:.4g} s"
+        + (f" ({best.ratio:.2f}x DiLoCo's)" if best.ratio is not None else "")
+        + f": {best.steps_fraction:.2f} of the steps (measured, {best.seeds} seeds reached it)"
+        f" on a {best.clock_s:.4g} s clock (simulated, U = {best.util:.2f})"
+    )
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        ratio = f"{nxt.ratio:.2f}x" if nxt.ratio is not None else f"{nxt.time_s:.4g} s"
+        why += f"; next {nxt.method} at {ratio}"
+    return why
+
+
+# ---------------------------------------------------------------- the table and the JSON
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as printed: what it was fed, one row per method (each column labelled), and
+    the pick with its reason on the last line."""
+    p, pen = plan, plan.penalties
+    lines = [
+        f"plan: {p.workers} workers, {p.steps} inner steps, outer.H = {p.H}",
+        f"step time: {p.step.seconds:.4g} s, {p.step.label}",
+        f"links: {p.links.what}, {p.links.label}"
+        + (f"; point-to-point at {p.links.p2p_ratio:.2f}x" if p.links.label == "measured" else ""),
+        f"steps to DiLoCo's loss: measured on {pen['measured_on']} with {pen['workers']} "
+        f"workers, {pen['steps']} steps, H = {pen['H']}, seeds {_seeds(pen['seeds'])} "
+        f"({pen['source']}, {pen['date'][:10]}); tuned on {pen['tuned_on']}",
+        "",
+        "| method | U (simulated) | clock of run.steps, s (simulated) "
+        "| steps to DiLoCo's loss, x DiLoCo's (measured) | time to DiLoCo's loss, s (estimated) "
+        "| x DiLoCo (estimated) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in p.rows:
+        name = r.method if r.candidate else f"{r.method} (reference)"
+        frac = "not reached" if r.steps_fraction is None else f"{r.steps_fraction:.2f}"
+        frac += f" ({r.seeds} seeds)"
+        lines.append(
+            f"| {name} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
+            f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} |"
+        )
+    lines += [f"{r.method}: {r.note}" for r in p.rows if r.note.startswith("not for")]
+    lines.append(f"pick: {p.pick or '-'}: {p.reason}")
+    return "\n".join(lines)
+
+
+def _seeds(seeds: list[int]) -> str:
+    return ", ".join(map(str, seeds))
+
+
+def plan_json(plan: Plan) -> dict:
+    """The same as JSON, each figure under a key that says what it is."""
+    rows = [
+        {
+            "method": r.method,
+            "strategy": r.strategy,
+            "candidate": r.candidate,
+            "util_simulated": r.util,
+            "clock_s_simulated": r.clock_s,
+            "steps_fraction_measured": r.steps_fraction,
+            "seeds_reached": r.seeds,
+            "time_to_loss_s_estimated": r.time_s,
+            "x_diloco_estimated": r.ratio,
+            "note": r.note,
+        }
+        for r in plan.rows
+    ]
+    return {
+        "workers": plan.workers,
+        "steps": plan.steps,
+        "H": plan.H,
+        "step_time": asdict(plan.step),
+        "links": asdict(plan.links),
+        "penalties": plan.penalties,
+        "methods": rows,
+        "pick": plan.pick,
+        "reason": plan.reason,
+    }
+
+
+# ---------------------------------------------------------------- outer.strategy = "auto"
+
+
+def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
+    """`cfg` with outer.strategy = 'auto' replaced by the method the plan picks on
+    [outer.auto]'s links (its example [outer], this config's outer.H), and the plan."""
+    a = cfg.outer.auto
+    if a.link_json:
+        links = read_probe(a.link_json, cfg.run.workers, "outer.auto.link_json")
+    else:
+        links = links_given(a.link_mbit, cfg.run.workers, "outer.auto.link_mbit")
+    plan = make_plan(cfg, links, measure_step_time(cfg), a.methods or None)
+    if plan.pick is None:
+        raise ConfigError(
+            f"outer.strategy = 'auto': {plan.reason}; set outer.strategy to a method, or "
+            "outer.auto.methods to ones with an estimate"
+        )
+    return method_config(cfg, load_penalties()["methods"][plan.pick]["outer"]), plan

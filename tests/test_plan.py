@@ -1,0 +1,329 @@
+"""The planner (`frugaltrain plan`, outer.strategy = "auto"): its clock equals the simulator's for
+every method it offers, every figure it prints carries its label, bad input stops it before any
+work, it times exactly one warm-up and three inner steps, auto runs a concrete method and a
+resumed run keeps it, and its packaged penalties are what the benchmark's results give."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from frugaltrain.config import AUTO_METHODS, Config, ConfigError, build_config, to_dict, to_toml
+from frugaltrain.sim import SimSection, plan_cli, simulate
+from frugaltrain.sim import plan as planner
+from frugaltrain.sim.clock import clock
+from frugaltrain.sim.plan import (
+    StepTime,
+    format_plan,
+    links_from_probe,
+    links_given,
+    load_penalties,
+    make_plan,
+    method_config,
+    plan_json,
+)
+from frugaltrain.train import checkpoint
+from frugaltrain.train.launch import prepare, run
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ("run.workers=4", "run.eval_every=0", "model.n_layer=2")
+# Links a tiny model notices: the last worker's slower, point-to-point below the all-reduce.
+LINKS = {"bandwidth_bps": [2e6, 2e6, 2e6, 0.7e6], "p2p_bandwidth_ratio": 0.8}
+
+# Variants beyond the examples' tables: every branch of the schedules in sim/clock.py.
+VARIANTS = {
+    "fgd-ring-mixed-bf16": (
+        "outer.strategy='fgd'",
+        "outer.fgd.mix1='ring'",
+        "outer.fgd.momentum_policy='mixed'",
+        "outer.fgd.mix2='complete'",
+        "outer.fgd.mix2_momentum=true",
+        "outer.param_codec='bf16'",
+    ),
+    "fgd-partial-mix1-topk": (
+        "outer.strategy='fgd'",
+        "outer.fgd.mix1_weight=0.5",
+        "outer.fgd.mix2='exponential'",
+        "outer.codec='topk:0.1'",
+    ),
+    "streaming-no-overlap": (
+        "outer.strategy='streaming'",
+        "outer.streaming.fragments=2",
+        "outer.streaming.overlap=0",
+    ),
+    "noloco-two-exchanges": ("outer.strategy='noloco'", "outer.param_codec='int8'"),
+    "noloco-no-pull": ("outer.strategy='noloco'", "outer.noloco.consensus_pull=0"),
+    "ddp-partial-round": ("outer.strategy='ddp'", "run.steps=10", "outer.H=4"),
+}
+
+
+def _engine_and_clock(cfg: Config, sim: SimSection):
+    result = simulate(cfg, sim)
+    return [r for r in result.records if r["kind"] == "round"], result.summary, clock(cfg, sim)
+
+
+@pytest.mark.parametrize("method", AUTO_METHODS)
+def test_clock_equals_the_simulator_for_every_method(make_config, method):
+    # The same SimWorld timing code on the same posts: equal to the last bit, not approximately.
+    cfg = method_config(make_config(*TINY), load_penalties()["methods"][method]["outer"])
+    rounds, summary, c = _engine_and_clock(cfg, SimSection(step_s=0.05, **LINKS))
+    assert c.steps == [r["step"] for r in rounds]
+    assert c.sim_s == [r["time/sim_s"] for r in rounds]
+    assert c.util == summary["util/compute"]
+    assert c.bytes_sent == summary["comm/bytes_sent_per_worker"]
+    assert c.at_step(cfg.run.steps) == summary["time/sim_s"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_clock_equals_the_simulator_on_every_branch(make_config, variant):
+    cfg = make_config(*TINY, *VARIANTS[variant])
+    rounds, summary, c = _engine_and_clock(cfg, SimSection(step_s=0.05, **LINKS))
+    assert c.sim_s == [r["time/sim_s"] for r in rounds]
+    assert c.bytes_sent == summary["comm/bytes_sent_per_worker"]
+
+
+def test_clock_equals_the_simulator_with_stragglers_and_drops(make_config):
+    sets = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'", "run.steps=24")
+    cfg = make_config(*TINY, *sets)
+    sim = SimSection(
+        compute="lognormal", step_s=0.05, step_sigma=0.3, straggler_prob=0.2, drop_prob=0.3,
+        latency_s=0.01, fault_seed=3, **LINKS,
+    )  # fmt: skip
+    rounds, summary, c = _engine_and_clock(cfg, sim)
+    faults = summary["faults"]  # drawn, and drawn alike: lost messages, all-reduces retried
+    assert faults["drops"] > 0 and faults["allreduce_failures"] > 0
+    assert c.sim_s == [r["time/sim_s"] for r in rounds]
+
+
+def test_clock_refuses_what_it_cannot_replay(make_config):
+    cfg = make_config(*TINY)
+    with pytest.raises(ConfigError, match="compute = 'measured'"):
+        clock(cfg, SimSection(compute="measured"))
+    with pytest.raises(ConfigError, match="a crash"):
+        clock(cfg, SimSection(crash_worker=1, crash_round=1, crash_rounds=1))
+
+
+def _plan(make_config, links=None, methods=None):
+    cfg = make_config(*TINY)
+    links = links or links_given([2.0], cfg.run.workers)
+    return make_plan(cfg, links, StepTime(0.05, "measured (a test's figure)"), methods)
+
+
+def test_the_table_labels_every_figure(make_config):
+    text = format_plan(_plan(make_config))
+    lines = text.splitlines()
+    assert lines[1].startswith("step time: 0.05 s, measured")
+    assert lines[2] == "links: 2 Mbit/s each, given"
+    assert "measured on /usr/share/doc" in lines[3] and "tuned on stdlib" in lines[3]
+    header = next(line for line in lines if line.startswith("| method"))
+    for column in ("U (simulated)", "s (simulated)", "x DiLoCo's (measured)"):
+        assert column in header
+    assert header.count("(estimated)") == 2
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
+    assert [r.split(" | ")[0][2:] for r in rows] == list(AUTO_METHODS)
+    assert "| 1.00 (3/3 seeds) |" in rows[0] and rows[0].endswith("| 1.00 |")  # DiLoCo itself
+    assert lines[-1].startswith("pick: ") and "shortest estimated time" in lines[-1]
+
+
+def test_a_probe_is_measured_and_a_method_never_reached_gets_no_number(make_config, monkeypatch):
+    probe = {"allreduce_effective_bps": 2e6, "pair_effective_bps": 1.6e6}
+    p = _plan(make_config, links_from_probe(probe, 4, what="a test probe"))
+    assert p.links.label == "measured" and p.links.p2p_ratio == pytest.approx(0.8)
+    assert "point-to-point at 0.80x" in format_plan(p).splitlines()[2]
+    rows = plan_json(p)["methods"]
+    assert {"util_simulated", "clock_s_simulated", "steps_fraction_measured"} <= set(rows[0])
+    assert {"time_to_loss_s_estimated", "x_diloco_estimated"} <= set(rows[0])
+    pen = load_penalties()
+    pen["methods"]["streaming"] |= {"steps_fraction": None, "reached": "0/3"}
+    monkeypatch.setattr(planner, "load_penalties", lambda: pen)
+    row = next(r for r in _plan(make_config).rows if r.method == "streaming")
+    assert row.time_s is None and row.ratio is None and row.clock_s is not None
+    assert "never reached DiLoCo's loss" in row.note
+
+
+def test_the_pick_is_among_the_methods_asked_for_and_diloco_is_the_reference(make_config):
+    p = _plan(make_config, methods=["ddp", "noloco"])
+    assert [(r.method, r.candidate) for r in p.rows] == [
+        ("diloco", False),
+        ("ddp", True),
+        ("noloco", True),
+    ]
+    assert p.pick == "noloco"  # a 2 Mbit/s link: ddp's all-reduce every step is far slower
+    assert "(reference)" in format_plan(p)
+
+
+def test_a_method_this_config_cannot_run_says_why(make_config):
+    cfg = make_config(*TINY, "optim.name='forge-adamw'")
+    p = make_plan(cfg, links_given([2.0], 4), StepTime(0.05, "measured"), ["ddp", "diloco"])
+    ddp = next(r for r in p.rows if r.method == "ddp")
+    assert ddp.time_s is None and "FORGE" in ddp.note and p.pick == "diloco"
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = plan_cli.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def config_file(make_config, tmp_path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(to_toml(make_config(*TINY)))
+    return path
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails a test that times a step or builds a clock."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("work started before the input was checked")
+
+    monkeypatch.setattr(planner, "measure_step_time", refuse)
+    monkeypatch.setattr(plan_cli, "measure_step_time", refuse)
+    monkeypatch.setattr(planner, "clock", refuse)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _probe_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "probe.json"
+    path.write_text(text)
+    return str(path)
+
+
+BAD = [
+    ("no-link", [], "no links to plan on: pass --link-mbit"),
+    ("both-links", ["--link-mbit", "2", "--link-json", "x.json"], "pass one of them"),
+    ("rate-word", ["--link-mbit", "fast"], "--link-mbit 'fast': give rates in Mbit/s"),
+    ("rate-count", ["--link-mbit", "1,2"], "--link-mbit = [1.0, 2.0]: give one rate > 0"),
+    ("rate-zero", ["--link-mbit", "0"], "--link-mbit = [0.0]: give one rate > 0"),
+    ("method", ["--link-mbit", "2", "--methods", "diloco,fast"], "--methods: unknown method"),
+    ("json-missing", ["--link-json", "nope.json"], "not a readable JSON file"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_is_one_line_before_any_work(case, config_file, capsys, no_work):
+    _, args, message = case
+    code, out, err = _cli(["--config", str(config_file), *args], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("frugaltrain: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("{not json", "not a readable JSON file (JSONDecodeError)"),
+        ("[1, 2]", "a probe's JSON is an object"),
+        ('{"allreduce_effective_bps": 1e6}', "no 'pair_effective_bps' number"),
+        ('{"allreduce_effective_bps": 1e6, "pair_effective_bps": -1}', "must be > 0 bits/s"),
+    ],
+)
+def test_a_bad_probe_file_is_refused(text, message, config_file, tmp_path, capsys, no_work):
+    args = ["--config", str(config_file), "--link-json", _probe_file(tmp_path, text)]
+    code, _, err = _cli(args, capsys)
+    assert code == 2 and message in err and "--link-json" in err and "netlab probe --out" in err
+
+
+def test_plan_times_one_warm_up_and_three_steps(config_file, tmp_path, capsys, monkeypatch):
+    # Its runtime budget, counted: four inner steps of one worker, no training run.
+    steps = []
+    real = planner.inner_step
+    monkeypatch.setattr(planner, "inner_step", lambda *a, **k: steps.append(a[2]) or real(*a, **k))
+    out_json = tmp_path / "plan.json"
+    code, out, _ = _cli(
+        ["--config", str(config_file), "--link-mbit", "2", "--json", str(out_json)], capsys
+    )
+    assert code == 0 and steps == [0, 1, 2, 3]
+    assert "mean of 3 inner steps after 1 warm-up" in out
+    got = json.loads(out_json.read_text())
+    assert (got["step_time"]["timed"], got["step_time"]["warmup"]) == (3, 1)
+    assert got["pick"] in AUTO_METHODS and out.splitlines()[-2].startswith(f"pick: {got['pick']}")
+
+
+# ---------------------------------------------------------------- outer.strategy = "auto"
+
+
+def test_auto_needs_links_named_by_key(make_config):
+    with pytest.raises(ConfigError, match=r"^outer.auto.link_mbit = \[\]: outer.strategy"):
+        make_config(*TINY, "outer.strategy='auto'")
+    with pytest.raises(ConfigError, match="outer.auto.methods = \\['fast'\\]: 'fast' is no"):
+        make_config(*TINY, "outer.strategy='auto'", "outer.auto.link_mbit=[2]",
+                    "outer.auto.methods=['fast']")  # fmt: skip
+    with pytest.raises(ConfigError, match="run.workers = 1: with one worker"):
+        make_config("outer.strategy='auto'", "outer.auto.link_mbit=[2]")
+    with pytest.raises(ConfigError, match="the simulator runs one method"):
+        simulate(make_config(*TINY, "outer.strategy='auto'", "outer.auto.link_mbit=[2]"),
+                 SimSection())  # fmt: skip
+
+
+def test_auto_runs_the_pick_and_a_resumed_run_keeps_it(make_config, tmp_path, capsys, monkeypatch):
+    sets = ("run.workers=2", "run.steps=12", "run.checkpoint_every=1", "run.stop_at_round=1")
+    auto = tmp_path / "auto.toml"
+    auto.write_text(
+        to_toml(make_config(*sets, "outer.strategy='auto'", "outer.auto.link_mbit=[1]"))
+    )
+    cfg, run_dir, _ = prepare(str(auto), [], None)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    pick = plan["pick"]
+    assert cfg.outer.strategy in ("diloco", "fgd", "noloco", "streaming", "ddp")
+    table = {**load_penalties()["methods"][pick]["outer"], "H": 6}  # the example's, our H
+    assert cfg.outer == build_config(Config, {"outer": table, "run": {"steps": 12}}).outer
+    logged = capsys.readouterr().out.splitlines()
+    assert len(logged) == 1 and logged[0].startswith(f"outer.strategy = 'auto': running {pick}")
+    assert "1 Mbit/s each (given)" in logged[0] and "s steps (measured)" in logged[0]
+
+    (run_dir / "config.toml").write_text(to_toml(cfg))  # as train_from_cli writes it
+    run(cfg, run_dir)  # to round 1, with a checkpoint
+    saved = tomllib.loads((run_dir / "config.toml").read_text())
+    assert saved["outer"]["strategy"] == cfg.outer.strategy
+
+    def no_replanning(*args, **kwargs):
+        raise AssertionError("a resumed run planned again")
+
+    monkeypatch.setattr(planner, "resolve_auto", no_replanning)
+    for config in (None, str(auto)):  # the run directory alone, or with the auto config again
+        again, same_dir, ckpt = prepare(config, [], str(run_dir))
+        assert same_dir == run_dir and ckpt == checkpoint.latest_intact(run_dir)
+        assert to_dict(again)["outer"] == to_dict(cfg)["outer"]
+
+
+# ---------------------------------------------------------------- the packaged penalties
+
+
+def _benchmark():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports provenance.py beside it
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "time_to_loss", ROOT / "benchmarks" / "time_to_loss.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_packaged_penalties_are_what_the_results_give():
+    bench = _benchmark()
+    record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
+    assert tuple(bench.METHODS) == AUTO_METHODS
+    assert load_penalties() == json.loads(json.dumps(bench.penalties(record)))
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "sim/penalties.json" in pyproject["tool"]["setuptools"]["package-data"]["frugaltrain"]
+
+
+def test_check_against_the_measurements_prints_every_case():
+    bench = _benchmark()
+    record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
+    lines = bench.check_against(record).splitlines()
+    assert lines[0].startswith("| case | method | plan, x DiLoCo (estimated) | measured")
+    picks = [line for line in lines if ": pick " in line]
+    assert [line.split(":")[0] for line in picks] == list(record["cases"])
+    assert all("measured fastest" in line for line in picks)
