@@ -35,6 +35,7 @@ from compression import CODECS, cells  # noqa: E402  (a sibling script, not a pa
 from link_probe import table as link_probe_table  # noqa: E402
 from netlab_validation import rows as netlab_rows  # noqa: E402
 from time_to_loss import links_table  # noqa: E402
+from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
 from time_to_loss import table as time_to_loss_table  # noqa: E402
 
 
@@ -712,6 +713,9 @@ TABLES = {
     ),
     "time-to-loss": Table(
         "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_table(f[0])
+    ),
+    "time-to-loss-plan": Table(
+        "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_plan(f[0])
     ),
     "link-probe": Table(
         "docs/results/netlab.md", ("link_probe.json",), lambda files: link_probe_table(files[0])
