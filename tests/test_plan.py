@@ -51,6 +51,12 @@ VARIANTS = {
         "outer.fgd.mix2='exponential'",
         "outer.codec='topk:0.1'",
     ),
+    "fgd-mix2-overlap": (
+        "outer.strategy='fgd'",
+        "outer.fgd.mix2='pairs'",
+        "outer.fgd.mix2_overlap=true",
+        "run.steps=18",
+    ),
     "streaming-no-overlap": (
         "outer.strategy='streaming'",
         "outer.streaming.fragments=2",
@@ -97,6 +103,19 @@ def test_clock_equals_the_simulator_with_stragglers_and_drops(make_config):
     rounds, summary, c = _engine_and_clock(cfg, sim)
     faults = summary["faults"]  # drawn, and drawn alike: lost messages, all-reduces retried
     assert faults["drops"] > 0 and faults["allreduce_failures"] > 0
+    assert c.sim_s == [r["time/sim_s"] for r in rounds]
+
+
+@pytest.mark.parametrize("mix2_overlap", ["false", "true"])
+def test_clock_equals_the_simulator_when_rounds_roll_back(make_config, mix2_overlap):
+    # sim.allreduce_policy = rollback: a failed round restores every worker's state, its round
+    # counter included (which draws the pairs), and the engine snapshots the state at each
+    # round end, where fgd's state_dict waits for an overlapped Mix2.
+    sets = ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'", "run.steps=36")
+    cfg = make_config(*TINY, *sets, f"outer.fgd.mix2_overlap={mix2_overlap}")
+    sim = SimSection(step_s=0.05, drop_prob=0.1, allreduce_policy="rollback", **LINKS)
+    rounds, summary, c = _engine_and_clock(cfg, sim)
+    assert summary["faults"]["rollbacks"] > 0
     assert c.sim_s == [r["time/sim_s"] for r in rounds]
 
 

@@ -160,6 +160,11 @@ class _Round:
         """OuterRound.momenta() is not None: after the first outer step, with momentum."""
         return self.momentum != 0 and self.round > 0
 
+    def rolled_back(self) -> None:
+        """The engine restored the round's start (sim.allreduce_policy = rollback): the round
+        counter, which draws topologies and groups, is the one before it again."""
+        self.round -= 1
+
     def before_step(self, step: int) -> None:
         if step % self.H == 0:
             self.start_round()
@@ -210,7 +215,8 @@ class _NoLoCo(_Round):
 
 class _FGD(_Round):
     """outer/fgd.py: Mix1 of the parameters posted at a round's start, waited after the round's
-    blocking Mix2 of the chosen pseudo-gradients."""
+    blocking Mix2 of the chosen pseudo-gradients; with mix2_overlap, Mix2 is posted there and
+    waited at the next round's end (at once in the run's last round)."""
 
     def __init__(self, cfg: Config, sizes: dict[str, int], net: _Lockstep) -> None:
         super().__init__(cfg, sizes, net)
@@ -219,7 +225,9 @@ class _FGD(_Round):
         chosen = select(list(sizes), f.mix2_params) if f.mix2 != "none" else []
         self.mix2_numel = sum(n for n, keep in zip(sizes.values(), chosen, strict=False) if keep)
         self.mix2_on = bool(chosen)
+        self.last_step = cfg.run.steps  # outer.build_strategy's last_step
         self.mix1: list | None = None
+        self.late: list | None = None  # an overlapped Mix2 in flight
 
     def start_round(self) -> None:
         if self.mix1 is not None:
@@ -235,12 +243,22 @@ class _FGD(_Round):
     def exchange(self) -> None:
         if self.mix1 is None:
             self.start_round()
-        if self.mix2_on:
+        w2 = mixing_matrix(self.f.mix2, self.net.M, self.round, self.seed + 1)
+        if self.mix2_on and self.f.mix2_overlap:
+            self.settle()
+            self.late = self.net.post(self.mix2_numel, self.codec, w2)
+            if (self.round + 1) * self.H >= self.last_step:
+                self.settle()
+        elif self.mix2_on:
             numel = self.mix2_numel * (2 if self.f.mix2_momentum and self.has_momenta() else 1)
-            w2 = mixing_matrix(self.f.mix2, self.net.M, self.round, self.seed + 1)
             self.net.wait(self.net.post(numel, self.codec, w2))
         self.net.wait(self.mix1)
         self.mix1 = None
+
+    def settle(self) -> None:
+        """Wait for the overlapped Mix2 in flight (also what state_dict does)."""
+        self.net.wait(self.late)
+        self.late = None
 
 
 class _Streaming(_Round):
@@ -307,6 +325,7 @@ def clock(cfg: Config, sim: SimSection) -> Clock:
     schedule = SCHEDULES[cfg.outer.strategy](cfg, sizes, net)
     dt = step_times(sim, M, steps, H)
     forge = is_forge(cfg.optim)  # FORGE leaves no gradient: the loop never calls sync_grads
+    snapshots = sim.drop_prob > 0 and sim.allreduce_policy == "rollback"  # at every round end
     ends, at = [], []
     for step in range(steps):  # the engine's worker loop (engine._run_worker, step.inner_step)
         schedule.before_step(step)
@@ -317,5 +336,9 @@ def clock(cfg: Config, sim: SimSection) -> Clock:
         if schedule.after_step(step + 1) or step + 1 == steps:
             ends.append(step + 1)
             at.append(max(world.clock))
-            world.round_failed = False  # a rollback restores parameters, not clocks
+            if world.round_failed and isinstance(schedule, _Round):  # engine._restore_snapshot
+                schedule.rolled_back()
+            world.round_failed = False
+            if snapshots and isinstance(schedule, _FGD):  # engine._take_snapshot's state_dict
+                schedule.settle()  # waits for an overlapped Mix2
     return Clock(ends, at, sum(world.compute_s), sum(world.blocking_s), sum(net.bytes_sent) / M)
