@@ -55,11 +55,7 @@ METHODS = {  # name -> (example config, extra overrides)
     "GlobalM1": ("fgd_globalm1", []),
     "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
     "GlobalM1LocalM2-late": ("fgd_globalm1_localm2", ["outer.fgd.mix2_overlap=true"]),
-    # Mix2 in int8 (4x fewer bytes, dense: no error feedback), Mix1's parameters still fp32.
-    "GlobalM1LocalM2-int8": (
-        "fgd_globalm1_localm2",
-        ["outer.codec='int8'", "outer.param_codec='fp32'"],
-    ),
+    "GlobalM1LocalM2-int8": ("fgd_globalm1_localm2_int8", []),  # Mix2 in int8, Mix1 fp32
     "subset": ("fgd_subset", []),
     "subset-late": ("fgd_subset", ["outer.fgd.mix2_overlap=true"]),
 }

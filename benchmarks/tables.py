@@ -32,6 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
+from fgd_corpora import table as corpora_table  # noqa: E402
 from link_probe import table as link_probe_table  # noqa: E402
 from netlab_validation import rows as netlab_rows  # noqa: E402
 from time_to_loss import links_table  # noqa: E402
@@ -707,6 +708,26 @@ def netlab_utilization(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fgd_corpora(files: list[dict]) -> str:
+    """Per results file (a model size): the ratio tables of each worker's model and of the
+    averaged one."""
+    parts = []
+    for rec in files:
+        models = ", ".join(
+            f"{m} ({' '.join(sets) or 'as shipped'})" for m, sets in rec["models"].items()
+        )
+        seeds = sorted({r["seed"] for r in rec["runs"] if r["method"] != "diloco"})  # paired
+        for key, what in (
+            ("loss_val", "each worker's own model"),
+            ("loss_val_avg_model", "averaged model"),
+        ):
+            parts.append(
+                f"{models}, {what}; seeds {seeds}; mean, then worst seed ({rec['kind']}):\n"
+            )
+            parts.append(corpora_table(rec, key) + "\n")
+    return "\n".join(parts).rstrip()
+
+
 TABLES = {
     "time-to-loss-links": Table(
         "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: links_table(f[0])
@@ -737,6 +758,20 @@ TABLES = {
         + ("compression_h10_s0.json", "compression_h10_s12.json"),
         compression_real,
     ),
+    "time-to-loss-flagship-links": Table(
+        "docs/results/time_to_loss.md",
+        ("time_to_loss_flagship.json",),
+        lambda f: links_table(f[0]),
+    ),
+    "time-to-loss-flagship": Table(
+        "docs/results/time_to_loss.md",
+        ("time_to_loss_flagship.json",),
+        lambda f: time_to_loss_table(f[0]),
+    ),
+    "fgd-corpora": Table(
+        "docs/results/fgd.md", ("fgd_corpora_base.json", "fgd_corpora_4x.json"), fgd_corpora
+    ),
+    "fgd-late": Table("docs/results/fgd.md", ("fgd_late_probe.json",), fgd_corpora),
     "sim-scale": Table("docs/results/fgd.md", ("sim_scale.json",), sim_scale),
     "fgd-ablation": Table("docs/results/fgd.md", ("fgd_ablation_h10.json",), fgd_ablation),
     "fgd-lr-grid-h10": Table(

@@ -52,6 +52,7 @@ METHODS = {  # name -> (example config, extra overrides)
     "noloco": ("noloco", []),
     "GlobalM1": ("fgd_globalm1", []),
     "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
+    "GlobalM1LocalM2-int8": ("fgd_globalm1_localm2_int8", []),
     "subset": ("fgd_subset", []),
     "ddp": ("ddp", []),
 }

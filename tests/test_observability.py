@@ -305,7 +305,8 @@ def test_a_run_beside_its_baseline_plots_both_against_wall_clock(make_config, tm
     from frugaltrain.metrics.report import wall_curve
     from frugaltrain.train.baseline import baseline_config, baseline_dir
 
-    cfg = make_config("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'")
+    cfg = make_config("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'", "outer.codec='int8'")
+    assert baseline_config(cfg, "diloco").outer.codec == "fp32"  # the baseline sends exact values
     path = tmp_path / "run.toml"
     path.write_text(to_toml(cfg))
     assert cli.main(["train", "--config", str(path), "--baseline", "diloco"]) == 0

@@ -21,13 +21,20 @@ from frugaltrain.metrics.log import read_metrics
 from frugaltrain.metrics.report import plot_loss_vs_wall, report
 from frugaltrain.train import checkpoint
 
+EXACT = ("codec", "param_codec", "feedback_decay")
+"""[outer] keys a baseline keeps at their defaults: it sends exact values (a codec chosen for the
+run's own traffic, such as fgd's Mix2 in int8, is not the baseline's)."""
+
 
 def baseline_config(cfg: Config, strategy: str) -> Config:
-    """`cfg` under `strategy`, with the [outer] keys that strategy does not read at defaults."""
+    """`cfg` under `strategy`, with the [outer] keys that strategy does not read, and the codec
+    keys (EXACT), at their defaults."""
     methods = [s for s in OUTER_KEYS if s != "auto"]  # a baseline is one fixed method
     if strategy not in methods:
         raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(methods)}")
     outer = outer_for(cfg.outer, strategy)
+    exact = {f.name: f.default for f in dataclasses.fields(outer) if f.name in EXACT}
+    outer = dataclasses.replace(outer, **exact)
     run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
     return dataclasses.replace(cfg, outer=outer, run=run)
 
@@ -58,7 +65,10 @@ def plot_beside(cfg: Config, run_dir: Path, strategy: str) -> Path:
     beside_STRATEGY.png (each on its own measured clock)."""
     base_dir = baseline_dir(baseline_config(cfg, strategy))
     runs = [
-        (f"{d.name} ({c.outer.strategy}, measured)", read_metrics(d / "metrics.jsonl"))
-        for d, c in ((run_dir, cfg), (base_dir, baseline_config(cfg, strategy)))
+        (
+            f"{cfg.outer.strategy} ({run_dir.name}, measured)",
+            read_metrics(run_dir / "metrics.jsonl"),
+        ),
+        (f"{strategy} (baseline, measured)", read_metrics(base_dir / "metrics.jsonl")),
     ]
     return plot_loss_vs_wall(runs, run_dir / f"beside_{strategy}.png")
