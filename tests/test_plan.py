@@ -332,7 +332,9 @@ def _benchmark():
 def test_packaged_penalties_are_what_the_results_give():
     bench = _benchmark()
     record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
-    assert tuple(bench.METHODS) == AUTO_METHODS
+    # The planner offers only methods the benchmark measured in this file (each needs a penalty);
+    # the benchmark may measure more (the flagship's own run is in another file).
+    assert set(AUTO_METHODS) <= set(bench.METHODS) and set(AUTO_METHODS) <= set(record["methods"])
     assert load_penalties() == json.loads(json.dumps(bench.penalties(record)))
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "sim/penalties.json" in pyproject["tool"]["setuptools"]["package-data"]["frugaltrain"]
