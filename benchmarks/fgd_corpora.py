@@ -163,11 +163,6 @@ def print_tables(record: dict) -> None:
     print("\nthe workers' averaged model:\n" + table(record, "loss_val_avg_model"))
 
 
-def _save(record: dict, out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(record, indent=1))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--snapshot", default="", help="write the corpus snapshots here and stop")
@@ -231,14 +226,14 @@ def main() -> int:
                 job["sets"] = [s for s in job["sets"] if not s.startswith("run.out_dir")]
                 job |= future.result()
                 record["runs"].append(job)
-                _save(record, args.out)
+                provenance.save(record, args.out)
                 print(
                     f"{job['model']} {job['corpus']} s{job['seed']} {job['method']}: "
                     f"{job['loss_val']:.4f}",
                     flush=True,
                 )
     provenance.finish(record)
-    _save(record, args.out)
+    provenance.save(record, args.out)
     print_tables(record)
     print(f"wrote {args.out}")
     return 0

@@ -11,6 +11,7 @@ after them:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -75,6 +76,13 @@ def finish(record: dict) -> dict:
     record["loadavg_after"] = list(os.getloadavg())
     record["wall_s"] = round(time.time() - record["started_unix"], 1)
     return record
+
+
+def save(record: dict, out: str | Path) -> None:
+    """Write the record as JSON (a script that saves after every run keeps what a cut run
+    finished)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def _relative(path: str) -> str:

@@ -132,16 +132,16 @@ def run_one(cfg_path: str, sets: list[str], lab_args: dict, timeout_s: float) ->
 
 def simulated_curve(cfg_path: str, sets: list[str], step_s: float, link: dict, rates) -> dict:
     from frugaltrain.sim import SimSection, simulate
+    from frugaltrain.sim.plan import links_from_probe
 
     cfg = load_config(cfg_path, sets)
-    ar_bps = link["allreduce_effective_bps"]
     # The ring runs at its slowest link: each link keeps the share of its rate the probe found.
-    share = ar_bps / (min(rates) * 1e6)
+    links = links_from_probe(link, cfg.run.workers, rates)
     sim = SimSection(
         compute="fixed",
         step_s=step_s,
-        bandwidth_bps=[r * 1e6 * share for r in rates],
-        p2p_bandwidth_ratio=link["pair_effective_bps"] / ar_bps,
+        bandwidth_bps=links.bandwidth_bps,
+        p2p_bandwidth_ratio=links.p2p_ratio,
         latency_s=0.0,
     )
     evals = [r for r in simulate(cfg, sim).records if r.get("kind") == "round" and "loss/val" in r]
@@ -221,9 +221,9 @@ def main() -> int:
                                       "final": c["val_loss"][-1:],
                                       "wall": c["wall_s_measured"][-1:],
                                       "U": c["U_measured"]}), flush=True)  # fmt: skip
-                    _save(record, args.out)
+                    provenance.save(record, args.out)
     provenance.finish(record)
-    _save(record, args.out)
+    provenance.save(record, args.out)
     print(table(record))
     plot(record, Path(args.out).with_suffix(".png"))
     return 0
@@ -234,11 +234,6 @@ def _param_bytes(cfg_and_sets) -> int:
 
     cfg = load_config(*cfg_and_sets)
     return 4 * sum(p.numel() for p in build_model(cfg).parameters())
-
-
-def _save(record: dict, out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def analyze(record: dict) -> list[dict]:
@@ -519,7 +514,7 @@ def resimulate(path: Path, only: list[str]) -> None:
                     cfg_path, sets, row["step_s_measured"], case["probe"], case["rates_mbit"]
                 )
                 print(f"{name} {row['method']}: resimulated", flush=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    provenance.save(record, path)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,17 @@ EXACT = ("codec", "param_codec", "feedback_decay")
 run's own traffic, such as fgd's Mix2 in int8, is not the baseline's)."""
 
 
+def check_baseline(strategy: str) -> None:
+    """A baseline is one fixed method: any outer strategy but auto."""
+    methods = [s for s in OUTER_KEYS if s != "auto"]
+    if strategy not in methods:
+        raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(methods)}")
+
+
 def baseline_config(cfg: Config, strategy: str) -> Config:
     """`cfg` under `strategy`, with the [outer] keys that strategy does not read, and the codec
     keys (EXACT), at their defaults."""
-    methods = [s for s in OUTER_KEYS if s != "auto"]  # a baseline is one fixed method
-    if strategy not in methods:
-        raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(methods)}")
+    check_baseline(strategy)
     outer = outer_for(cfg.outer, strategy)
     exact = {f.name: f.default for f in dataclasses.fields(outer) if f.name in EXACT}
     outer = dataclasses.replace(outer, **exact)

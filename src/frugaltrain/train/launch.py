@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from frugaltrain.comm import LocalComm
 from frugaltrain.config import (
-    OUTER_KEYS,
     Config,
     ConfigError,
     build_config,
@@ -422,9 +421,10 @@ def train_from_cli(
     from frugaltrain.metrics.report import format_comparison, report
 
     torchrun = under_torchrun()
-    methods = [s for s in OUTER_KEYS if s != "auto"]  # a baseline is one fixed method
-    if baseline and baseline not in methods:
-        raise ConfigError(f"--baseline {baseline!r}: choose one of {', '.join(methods)}")
+    if baseline:  # refused before any work starts
+        from frugaltrain.train.baseline import check_baseline
+
+        check_baseline(baseline)
     if baseline and torchrun:
         raise ConfigError("--baseline runs a second local run; launch the baseline on its own")
     cfg, run_dir, ckpt = prepare(config_path, overrides, resume)
