@@ -2,7 +2,9 @@
 
     frugaltrain train --config examples/default.toml --workers 4 --set outer.H=50
     frugaltrain train --resume runs/default          # continue from the latest checkpoint
-    frugaltrain train --nodes 2 --node-rank K --rdzv HOST:29400 --config c.toml  # on machine K
+    frugaltrain coordinator --config c.toml --port 29400 --token run.token  # machines come and go
+    frugaltrain join HOST:29400 --token run.token --workers 2   # on each machine
+    frugaltrain train --nodes 2 --node-rank K --rdzv HOST:29400 --config c.toml  # fixed cluster
     frugaltrain report runs/default                  # re-render the summary table and plots
     frugaltrain report runs/a runs/b --plot-bytes cmp.png   # loss vs bytes sent, one line each
     frugaltrain export runs/default --out my-model   # the averaged model, transformers format
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HOST:PORT",
         help="with --nodes: machine 0's address and a free port there (the c10d rendezvous)",
     )
+    _add_machine_commands(sub)
     p = sub.add_parser("report", help="re-render the summary table and plots of runs")
     p.add_argument("run_dir", nargs="+", help="run directories (from train or simulate)")
     p.add_argument(
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             from frugaltrain.train.launch import train_from_cli
 
             return train_from_cli(args.config, overrides(args), args.resume, args.baseline)
+        if args.command in ("coordinator", "join"):
+            return _machines(args)
         if args.command == "report":
             from frugaltrain.metrics.report import report_runs
 
@@ -102,6 +107,51 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _add_machine_commands(sub) -> None:
+    """`coordinator` and `join`: a run across machines that come and go (docs/multihost.md)."""
+    p = sub.add_parser("coordinator", help="hold a run that machines join (no training)")
+    add_train_flags(p)
+    p.add_argument("--port", type=int, default=29400, help="the port machines join at")
+    p.add_argument("--bind", default="0.0.0.0", help="the address to listen on (default: all)")
+    p.add_argument("--token", metavar="FILE", help="the run's token file (only its holders join)")
+    p.add_argument(
+        "--new-token", metavar="FILE", help="write a fresh run token to FILE (mode 600) and exit"
+    )
+    p = sub.add_parser("join", help="add this machine's workers to a coordinator's run")
+    p.add_argument("address", metavar="HOST:PORT", help="the coordinator, as this machine sees it")
+    p.add_argument("--token", metavar="FILE", required=True, help="the run's token file")
+    p.add_argument("--workers", type=int, default=1, help="slots to fill on this machine")
+    p.add_argument("--run-dir", help="where this machine keeps its logs and checkpoints")
+
+
+def _machines(args) -> int:
+    if args.command == "join":
+        from frugaltrain.comm.auth import Refused
+        from frugaltrain.train.agent import run_join
+
+        try:
+            return run_join(args.address, args.token, args.workers, args.run_dir)
+        except (Refused, ConnectionError) as e:  # one line: why this machine is not in
+            print(f"frugaltrain: error: {e}", file=sys.stderr)
+            return 2 if isinstance(e, Refused) else 1
+    if args.new_token:
+        from frugaltrain.comm.auth import new_token
+
+        new_token(args.new_token)
+        print(f"wrote a new run token to {args.new_token}; copy it to every machine that joins")
+        return 0
+    if not args.token:
+        raise ConfigError(
+            "coordinator: --token FILE is required (only machines holding it may join); "
+            "write one with `frugaltrain coordinator --new-token FILE`"
+        )
+    from frugaltrain.train.coordinator import run_coordinator
+
+    return run_coordinator(
+        args.config, overrides(args), args.token, args.port, args.bind, args.resume
+    )
 
 
 if __name__ == "__main__":

@@ -101,7 +101,11 @@ class RunSection(Section):
     out_dir: str = "runs"
     """Parent directory of run directories."""
     workers: int = 1
-    """Number of workers (model replicas), the members of the outer strategy."""
+    """Number of workers (model replicas), the members of the outer strategy; across machines
+    that come and go, the run's slots (docs/multihost.md)."""
+    min_workers: int = 1
+    """With fault tolerance: the fewest live workers that train on. With fewer, the members
+    wait at a round end (up to run.timeout_s) until a worker joins."""
     shards: int = 1
     """Processes per replica: its parameters, gradients and inner optimizer states are sharded
     over them with FSDP2, each takes data.batch_size / shards of its replica's batch, and the
@@ -181,6 +185,11 @@ class RunSection(Section):
         )
         for name in ("workers", "shards", "steps", "eval_batches"):
             self.at_least(name, 1)
+        self.require(
+            1 <= self.min_workers <= self.workers,
+            "min_workers",
+            f"must be 1 to run.workers ({self.workers})",
+        )
         self.at_least("eval_every", 0, "0: end only")
         self.one_of("backend", ("auto", "gloo", "nccl"))
         self.one_of("device", ("cpu", "cuda"))

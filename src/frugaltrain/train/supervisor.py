@@ -100,7 +100,7 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
     finished: set[int] = set()
 
     def start(rank: int) -> None:
-        procs[rank] = ctx.Process(target=_worker, args=(rank, *args), daemon=False)
+        procs[rank] = ctx.Process(target=worker_process, args=(rank, *args), daemon=False)
         procs[rank].start()
 
     with environment(worker_env(cfg)):  # spawned workers, restarted ones too, inherit it
@@ -109,14 +109,8 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
                 start(rank)
             while len(finished) < W * S:
                 time.sleep(0.1)
-                failed = _exited(procs, finished, ft_store, cfg, run_dir)
-                for replica in sorted({rank // S for rank in failed}):
-                    if restarts[replica] >= cfg.fault_tolerance.max_restarts:
-                        rank = min(r for r in failed if r // S == replica)
-                        failure = failure_of(run_dir, rank, procs[rank].exitcode)
-                        raise WorkerFailed(f"{failure} after {restarts[replica]} restarts")
-                    restarts[replica] += 1
-                    _restart(replica, failed, procs, start, restarts[replica], cfg)
+                failed = exited(procs, finished, ft_store, cfg, run_dir)
+                restart_failed(failed, procs, start, restarts, cfg, run_dir)
                 if cfg.fault_tolerance.enabled:
                     _stop_stragglers_at_the_end(procs, finished, store, host, cfg)
         finally:
@@ -125,6 +119,22 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
                     p.kill()
                 p.join()
     return restarts
+
+
+def restart_failed(
+    failed: list[int], procs: dict, start, restarts: dict[int, int], cfg: Config, run_dir: Path
+) -> None:
+    """Start the replicas of `failed` processes again, each at most
+    fault_tolerance.max_restarts times (then WorkerFailed: a worker that keeps dying is more
+    likely a bug than a fault to ride out)."""
+    S = cfg.run.shards
+    for replica in sorted({rank // S for rank in failed}):
+        if restarts[replica] >= cfg.fault_tolerance.max_restarts:
+            rank = min(r for r in failed if r // S == replica)
+            failure = failure_of(run_dir, rank, procs[rank].exitcode)
+            raise WorkerFailed(f"{failure} after {restarts[replica]} restarts")
+        restarts[replica] += 1
+        _restart(replica, failed, procs, start, restarts[replica], cfg)
 
 
 def _restart(replica: int, failed: list[int], procs: dict, start, count: int, cfg: Config) -> None:
@@ -148,7 +158,7 @@ def _restart(replica: int, failed: list[int], procs: dict, start, count: int, cf
         start(r)
 
 
-def _exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -> list[int]:
+def exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -> list[int]:
     """Processes that exited since the last look and must be restarted; the ones that finished
     are added to `finished`. Without fault tolerance, or for bad input, a failed process ends
     the run (WorkerFailed)."""
@@ -208,14 +218,22 @@ def _final_members(store: dist.Store, done: set[int]) -> set[int] | None:
     return None
 
 
-def _worker(rank: int, cfg_toml: str, run_dir: str, host: str, port: int, resume: str | None):
+def worker_process(
+    rank: int,
+    cfg_toml: str,
+    run_dir: str,
+    host: str,
+    port: int,
+    resume: str | None,
+    local: tuple[int, ...] | None = None,
+):
     """Entry of one worker process (a first start or, with fault tolerance, a restart)."""
     cfg = build_config(Config, tomllib.loads(cfg_toml))
     torch.set_num_threads(worker_threads(cfg))
     store = dist.TCPStore(host, port, is_master=False, timeout=_store_timeout(cfg))
     try:
         if cfg.fault_tolerance.enabled:
-            _elastic_worker(cfg, rank, store, run_dir, host, port, resume)
+            _elastic_worker(cfg, rank, store, run_dir, host, port, resume, local)
         else:
             _plain_worker(cfg, rank, store, run_dir, resume)
     except Exception as e:  # one line for the launcher, the traceback in the run directory
@@ -251,12 +269,14 @@ def plain_comm(cfg: Config, rank: int) -> tuple:
     return TorchDistComm(group, shard_link=shards.link, **kwargs), shards
 
 
-def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port: int, resume):
+def _elastic_worker(
+    cfg: Config, rank: int, store, run_dir: str, host: str, port: int, resume, local=None
+):
     """A fault-tolerant process: ElasticRuntime, with this worker's injected faults around it;
     a restarted worker (incarnation > 1) rejoins from a live peer instead of the checkpoint.
     With shards, process `rank` is shard s of replica r: its replica's processes form the
     default group (FSDP2), fresh at every start of the replica, and its ElasticComm is shard
-    group s's."""
+    group s's. `local`: the workers on this machine when the run spans machines (train/agent.py)."""
     from frugaltrain.comm.ft.comm import ElasticComm
     from frugaltrain.comm.ft.runtime import ElasticRuntime
     from frugaltrain.comm.ft.world import Identity
@@ -279,7 +299,7 @@ def _elastic_worker(cfg: Config, rank: int, store, run_dir: str, host: str, port
     comm = ElasticComm(
         store, me, options, timeout_s=timeout_s, guard=guard_of(cfg.run), shard_link=link
     )
-    runtime = ElasticRuntime(comm)
+    runtime = ElasticRuntime(comm, cfg.run.min_workers, local)
     faults = _injector(cfg, replica, shard, incarnation) if cfg.fault_tolerance.inject else None
     resume_path = Path(resume) if resume and incarnation == 1 else None
     loop_runtime = FaultyRuntime(runtime, faults) if faults else runtime

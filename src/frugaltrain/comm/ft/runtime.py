@@ -11,7 +11,8 @@ recovery.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.ft.admission import Admission
@@ -25,9 +26,15 @@ class ElasticRuntime(Runtime):
 
     comm: ElasticComm
 
-    def __init__(self, comm: ElasticComm) -> None:
+    def __init__(
+        self, comm: ElasticComm, min_workers: int = 1, local: Collection[int] | None = None
+    ) -> None:
+        """`min_workers`: with fewer members, wait at a round end for a worker to join (up to
+        run.timeout_s). `local`: the workers on this machine, when the run spans machines (its
+        checkpoint markers are this machine's own); None: all on one machine."""
         super().__init__(comm)
         self.world, self.oplog = comm.world, comm.oplog
+        self.min_workers, self.local = min_workers, set(local) if local is not None else None
         self.means = StoreMeans(comm.oplog)
         self.admission = Admission(comm.oplog, comm.mix1, self.means, comm.shard_link)
 
@@ -44,8 +51,11 @@ class ElasticRuntime(Runtime):
         return self.admission.rejoin(load, state_fn)
 
     def writes_markers(self, local_rank: int) -> bool:
-        """The lowest live member (local launches only: one machine)."""
-        return self.comm.rank == self.comm.members[0]
+        """The lowest live member (of those on this machine, when the run spans machines)."""
+        members = self.comm.members
+        if self.local is not None:
+            members = [m for m in members if m in self.local]
+        return self.comm.rank == members[0]
 
     def close(self, finished: bool = True) -> None:
         """The worker leaves; `finished`: it trained to the end (the launcher then stops
@@ -102,4 +112,24 @@ class ElasticRuntime(Runtime):
         reason = world.broken()
         if reason is not None:
             self.oplog.recover(reason)
+        self._wait_for_quorum()
         self.admission.at_round_end(round_idx, state_fn)
+
+    def _wait_for_quorum(self) -> None:
+        """Below run.min_workers members, wait until a worker asks to join (it is admitted
+        right after); every member waits the same way, so they decide alike."""
+        world, t0 = self.world, time.monotonic()
+        if len(world.members) >= self.min_workers or world.membership.waiting() > 0:
+            return
+        print(
+            f"[worker {world.rank} round {world.round}] {len(world.members)} members, fewer "
+            f"than run.min_workers = {self.min_workers}: waiting for a worker to join",
+            flush=True,
+        )
+        while world.membership.waiting() == 0:
+            if time.monotonic() - t0 > world.timeout_s:
+                raise RuntimeError(
+                    f"fewer than run.min_workers = {self.min_workers} workers for "
+                    f"run.timeout_s = {world.timeout_s:g} s; start a machine or lower it"
+                )
+            time.sleep(0.5)

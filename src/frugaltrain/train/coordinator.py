@@ -1,0 +1,293 @@
+"""`frugaltrain coordinator`: the one small process a run across machines needs.
+
+    frugaltrain coordinator --new-token run.token          # once; copy the file to each machine
+    frugaltrain coordinator --config my.toml --port 29400 --token run.token
+
+It trains nothing. It holds the run's config and run directory, hosts the run's store (the
+TCPStore the fault-tolerant runtime's rendezvous lives on) on the loopback interface only, and
+listens on `--bind`:`--port` behind the run token (comm/gateway.py): a machine that proves the
+token gets the config and free slots, and its processes reach the store through that channel;
+nothing else reaches the store. It writes the run's metrics.jsonl (the lines the machine that
+holds slot 0 sends) and, at the end, its summary.
+
+Slots, not ranks: a run has run.workers slots (a worker's rank: its data stream and its name
+in the logs). `join` claims free slots for a machine; a machine whose control channel goes
+silent for LEASE_S loses its slots, which the next machine to join takes (its processes rejoin
+from a live peer, comm/ft/admission.py). The state file (COORDINATOR_STATE in the run
+directory) records the port and which machine holds which slot, so `--resume` comes back the
+same.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from frugaltrain.comm import rendezvous
+from frugaltrain.comm.auth import Channel, read_token
+from frugaltrain.comm.ft import keys
+from frugaltrain.comm.gateway import Gateway
+from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
+
+LEASE_S = 5.0  # a machine silent this long has lost its slots (the detection bound)
+PING_S = 1.0  # how often a machine's agent says it is alive
+COORDINATOR_STATE = "coordinator.json"
+
+
+@dataclass
+class Machine:
+    """A joined machine: its id (chosen by its agent, kept across reconnects), name, address
+    and slots."""
+
+    id: str
+    name: str
+    peer: str
+    slots: list[int] = field(default_factory=list)
+
+
+class Slots:
+    """Which machine holds each slot; every method under one lock (each channel is a thread)."""
+
+    def __init__(self, n: int, owners: list[str | None] | None = None) -> None:
+        self.owner: list[str | None] = list(owners) if owners else [None] * n
+        self.finished: set[int] = set()
+        self.lock = threading.Lock()
+
+    def claim(self, machine: str, n: int) -> list[int]:
+        """Up to `n` slots for `machine`: those it held before (a reconnect), then free ones."""
+        with self.lock:
+            mine = [s for s, o in enumerate(self.owner) if o == machine]
+            free = [s for s, o in enumerate(self.owner) if o is None and s not in self.finished]
+            for s in free[: max(0, n - len(mine))]:
+                self.owner[s] = machine
+                mine.append(s)
+            return sorted(mine)
+
+    def release(self, machine: str) -> list[int]:
+        """Free `machine`'s slots that have not finished; returns them."""
+        with self.lock:
+            gone = [s for s, o in enumerate(self.owner) if o == machine]
+            for s in gone:
+                if s not in self.finished:
+                    self.owner[s] = None
+            return [s for s in gone if s not in self.finished]
+
+    def free(self) -> list[int]:
+        with self.lock:
+            return [s for s, o in enumerate(self.owner) if o is None and s not in self.finished]
+
+    def finish(self, slots: list[int]) -> None:
+        with self.lock:
+            self.finished.update(slots)
+
+
+class Coordinator:
+    """See the module docstring. `start` opens the store and the gateway; `wait` returns when
+    every slot's workers have finished training."""
+
+    def __init__(self, cfg: Config, run_dir: Path, token: bytes, bind: str, port: int) -> None:
+        self.cfg, self.run_dir, self.token = cfg, run_dir, token
+        self.bind, self.port = bind, port
+        self.slots = Slots(cfg.run.workers, self._saved_owners())
+        self.machines: dict[str, Machine] = {}
+        self.log_lock = threading.Lock()
+        self.done = threading.Event()
+        self.connected = 0  # machines whose control channel is open
+
+    def start(self) -> Coordinator:
+        timeout = timedelta(seconds=max(60.0, self.cfg.run.timeout_s))
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+        addr = ("127.0.0.1", self.store.port)
+        self.gateway = Gateway(self.bind, self.port, self.token, addr, self.serve, self.say)
+        self.gateway.start()
+        self.port = self.gateway.port
+        self._save_state()
+        return self
+
+    def say(self, line: str) -> None:
+        """A line of the coordinator's log: printed and kept in RUN_DIR/coordinator.log."""
+        stamp = time.strftime("%H:%M:%S")
+        with self.log_lock:
+            print(f"[coordinator] {line}", flush=True)
+            with open(self.run_dir / "coordinator.log", "a") as f:
+                f.write(f"{stamp} {line}\n")
+
+    # ---- one machine's control channel
+    def serve(self, request: dict, channel: Channel) -> None:
+        if request.get("want") != "join":
+            channel.send({"error": f"unknown request {request.get('want')!r}"})
+            return
+        machine = self._machine(request, channel.peer)
+        slots = self._slots_for(machine, int(request.get("workers", 1)), channel)
+        if not slots:
+            return
+        machine.slots = slots
+        self._save_state()
+        self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}")
+        channel.send({"config": to_toml(self.cfg), "slots": slots, "machine": machine.id})
+        with self.log_lock:
+            self.connected += 1
+        try:
+            self._follow(machine, channel)
+        finally:
+            with self.log_lock:
+                self.connected -= 1
+
+    def _machine(self, request: dict, peer: str) -> Machine:
+        mid = str(request.get("machine") or uuid.uuid4().hex[:12])
+        name = str(request.get("name") or peer)[:64]
+        self.machines[mid] = Machine(mid, name, peer)
+        return self.machines[mid]
+
+    def _slots_for(self, machine: Machine, n: int, channel: Channel) -> list[int]:
+        """Claim up to `n` slots; while none is free the machine waits (told so every LEASE_S)."""
+        while not self.done.is_set():
+            slots = self.slots.claim(machine.id, n)
+            if slots:
+                return slots
+            channel.send({"wait": f"all {self.cfg.run.workers} slots are taken"})
+            try:  # its pings keep the wait alive; a silent one is dropped
+                channel.recv(timeout_s=LEASE_S)
+            except (ConnectionError, OSError, TimeoutError):
+                return []
+            time.sleep(PING_S)
+        channel.send({"over": "the run has ended"})
+        return []
+
+    def _follow(self, machine: Machine, channel: Channel) -> None:
+        """The machine's pings (with its metrics lines and finished slots) until it leaves; a
+        machine silent for LEASE_S, or whose connection drops, loses its unfinished slots."""
+        while True:
+            try:
+                msg = channel.recv(timeout_s=LEASE_S)
+            except (ConnectionError, OSError, TimeoutError) as e:
+                freed = self.slots.release(machine.id)
+                self._save_state()
+                if freed:
+                    why = "silent" if isinstance(e, TimeoutError) else "connection closed"
+                    self.say(f"machine {machine.name} lost ({why}): slots {freed} are free")
+                return
+            self._append_metrics(msg.get("metrics", []))
+            if msg.get("finished"):
+                self.slots.finish(msg["finished"])
+            channel.send({"ok": True, "done": self._run_over()})
+            if msg.get("leaving"):
+                self.say(f"machine {machine.name} finished its slots {machine.slots}")
+                return
+
+    def _append_metrics(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        with self.log_lock, open(self.run_dir / "metrics.jsonl", "a") as f:
+            for line in lines:
+                json.loads(line)  # a line that is not one JSON record ends this channel
+                f.write(line.rstrip("\n") + "\n")
+
+    def _run_over(self) -> bool:
+        """Whether training is over: the members of some worker's last epoch have all
+        finished. Then the rendezvous closes (a process still waiting to join exits)."""
+        if not self.done.is_set() and self._training_over():
+            for s in range(self.cfg.run.shards):
+                ns = keys.namespace(s, self.cfg.run.shards)
+                rendezvous.close("127.0.0.1", self.store.port, self.cfg.run.workers, ns)
+            self.done.set()
+        return self.done.is_set()
+
+    def _training_over(self) -> bool:
+        S = self.cfg.run.shards
+        store = dist.PrefixStore(keys.namespace(0, S), self.store) if S > 1 else self.store
+        if not store.check([keys.DONE]):
+            return False
+        for r in range(self.cfg.run.workers):
+            if store.check([keys.final_members(r)]):
+                final = json.loads(store.get(keys.final_members(r)))
+                return all(store.check([keys.finished(m)]) for m in final)
+        return False
+
+    def wait(self, poll_s: float = 0.5) -> None:
+        """Until training is over and every machine still connected has left (it sends its
+        last metrics lines as it goes), at most LEASE_S more."""
+        while not self._run_over():
+            time.sleep(poll_s)
+        deadline = time.monotonic() + LEASE_S
+        while self.connected and time.monotonic() < deadline:
+            time.sleep(poll_s / 5)
+
+    def close(self) -> None:
+        self.gateway.close()
+
+    # ---- the state file: what --resume brings back
+    def _save_state(self) -> None:
+        state = {"port": self.port, "bind": self.bind, "slots": self.slots.owner}
+        tmp = self.run_dir / f"{COORDINATOR_STATE}.tmp"
+        tmp.write_text(json.dumps(state) + "\n")
+        tmp.replace(self.run_dir / COORDINATOR_STATE)
+
+    def _saved_owners(self) -> list[str | None] | None:
+        path = self.run_dir / COORDINATOR_STATE
+        return json.loads(path.read_text())["slots"] if path.is_file() else None
+
+
+def coordinator_config(config_path: str | None, overrides: list[str], resume: str | None):
+    """The run's config (fault tolerance on: machines come and go) and its run directory,
+    checked before the port opens."""
+    from frugaltrain.train.launch import check_model, new_run_dir
+
+    if resume:
+        saved = Path(resume) / "config.toml"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {resume}: no config.toml there; pass the run directory")
+        return build_config(Config, read_toml(saved), overrides), Path(resume)
+    cfg = load_config(config_path, [*overrides, "fault_tolerance.enabled=true"])
+    if cfg.outer.strategy == "auto":
+        raise ConfigError(
+            "outer.strategy = 'auto': the coordinator does not train, so it cannot probe the "
+            "step time; run `frugaltrain plan --config FILE` on a training machine and set "
+            "outer.strategy to its pick"
+        )
+    if cfg.fault_tolerance.inject:
+        raise ConfigError(
+            "fault_tolerance.inject: injected faults are for local runs; across machines, "
+            "stop a machine instead"
+        )
+    check_model(cfg)
+    run_dir = new_run_dir(cfg)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    return cfg, run_dir
+
+
+def run_coordinator(
+    config_path: str | None,
+    overrides: list[str],
+    token_path: str,
+    port: int,
+    bind: str = "0.0.0.0",
+    resume: str | None = None,
+) -> int:
+    """`frugaltrain coordinator`: serve the run until every slot has finished, then write its
+    summary. Every check (token, config) comes before the port opens."""
+    from frugaltrain.metrics.report import report
+
+    token = read_token(token_path)
+    cfg, run_dir = coordinator_config(config_path, overrides, resume)
+    coord = Coordinator(cfg, run_dir, token, bind, port).start()
+    coord.say(
+        f"run {cfg.run.name}: {cfg.outer.strategy}, {cfg.run.workers} slots; machines join "
+        f"with `frugaltrain join HOST:{coord.port} --token FILE` (run dir {run_dir})"
+    )
+    try:
+        coord.wait()
+    finally:
+        coord.close()
+    coord.say("every slot finished; the run is over")
+    report(run_dir)
+    return 0
