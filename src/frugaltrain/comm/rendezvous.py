@@ -1,7 +1,8 @@
 """Membership on torch elastic's rendezvous: who is in the next epoch, agreed by every worker.
 
-The engine is `torch.distributed.elastic.rendezvous.DynamicRendezvousHandler` with the c10d
-backend, kept on the TCPStore the launcher hosts (so it outlives any worker). What it gives us:
+The engine is `torch.distributed.elastic.rendezvous.DynamicRendezvousHandler`, its state kept on
+the TCPStore the launcher hosts (so it outlives any worker) as JSON by comm/rendezvous_state.py
+(torch's c10d backend keeps a pickle there, which every worker would unpickle). What it gives us:
 
     rounds      a round closes when every participant of the last one has left it (called
                 `next_rendezvous` again) or been dropped; everybody who then joins within
@@ -36,13 +37,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
 
 from frugaltrain.comm.ft import keys
+from frugaltrain.comm.rendezvous_state import JsonBackend
 
 RUN_ID = "frugaltrain"
 # The handler polls the rendezvous state once a second while it waits, and a waiting node
@@ -54,8 +55,8 @@ MIN_EXPIRY_S = 3.0
 LAST_CALL_S = 2.0
 
 
-class _Backend(C10dRendezvousBackend):
-    """The c10d backend, which can be cut: while `cut` is set (an injected partition), or once
+class _Backend(JsonBackend):
+    """The JSON backend, which can be cut: while `cut` is set (an injected partition), or once
     the others have marked this worker incarnation evicted (alive but stuck past the deadline,
     comm/ft/oplog.py), this worker cannot reach the rendezvous: its keep-alives fail, so the
     others drop it, as in a real partition."""

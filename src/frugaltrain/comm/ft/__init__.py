@@ -17,7 +17,8 @@ The parts:
     comm.py       ElasticComm: the Comm a strategy sees (collectives over the op log, Mix1, the
                   guard on what arrived).
     means.py      per-round logging scalars through the store.
-    admission.py  admitting a restarted worker at a round end, and the donor's state transfer.
+    admission.py  admitting a restarted worker at a round end, and the donor's state transfer
+                  (in comm/statewire.py's format, which cannot run code when read).
     runtime.py    ElasticRuntime: the loop's side (round end, rejoin, round fields, records).
 
 Fault injection is a layer around these (comm/faults.py), put on by the supervisor.

@@ -4,7 +4,9 @@ A restarted worker (incarnation > 1) waits on the rendezvous's wait list. The fi
 round end sees it there and decides for all (compare-and-set on that round and epoch) that the
 members re-rendezvous; all finish their pending operations, the joiner is admitted, and the
 lowest old member (the donor) sends it its whole worker state (outer x and momentum, round,
-step, inner AdamW and schedule, and the runtime's sequence counters) point to point. The joiner
+step, inner AdamW and schedule, and the runtime's sequence counters) point to point. The state
+moves in statewire's format (comm/statewire.py), which describes data only: reading it cannot run
+code, unlike a pickle, so a peer or the link cannot make the joiner run anything. The joiner
 checks what it loaded against the donor's digest and records a "rejoined" event.
 
 With run.shards = S > 1 a replica is admitted in every shard group at the same round end: the
@@ -15,7 +17,6 @@ once the replica's S processes have all asked to join.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from datetime import timedelta
 
 import torch
 
+from frugaltrain.comm import statewire
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.ft.means import StoreMeans
 from frugaltrain.comm.ft.mix1 import Mix1
@@ -31,6 +33,7 @@ from frugaltrain.comm.rendezvous import Round
 from frugaltrain.comm.shardlink import ShardLink
 
 SIZE_TAG, STATE_TAG = 1, 2  # point-to-point tags of the state transfer
+MAX_STATE_BYTES = 1 << 40  # a bound on the size a donor announces (1 TiB), before allocating it
 
 
 def state_digest(state: dict) -> str:
@@ -110,9 +113,7 @@ class Admission:
         """The donor's side: its state and counters to every joiner, then its digest."""
         state = state_fn()
         state["ft_seq"] = (self.oplog.seq, self.mix1.seq, self.means.seq)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(statewire.encode(state)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for j in rnd.joiners:
             pos = rnd.members.index(j)
@@ -164,9 +165,16 @@ class Admission:
                 self.world.root.set(keys.ready(self.world.rank), str(self.world.incarnation))
 
     def _receive_state(self, rnd: Round) -> dict:
+        """The donor's state, read as statewire data (ValueError if it is not a worker state)."""
         pos = rnd.members.index(rnd.donor)
         size = torch.zeros(1, dtype=torch.int64)
         self.world.pg.recv([size], pos, SIZE_TAG).wait()
+        if not 0 < int(size.item()) <= MAX_STATE_BYTES:
+            raise ValueError(f"donor {rnd.donor} announced a state of {int(size.item())} bytes")
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.world.pg.recv([payload], pos, STATE_TAG).wait()
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        state = statewire.decode(payload.numpy())
+        seq = state.get("ft_seq") if isinstance(state, dict) else None
+        if not (isinstance(seq, tuple) and len(seq) == 3 and all(type(s) is int for s in seq)):
+            raise ValueError(f"donor {rnd.donor} sent no worker state with its counters")
+        return state

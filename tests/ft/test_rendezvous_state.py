@@ -1,0 +1,119 @@
+"""The rendezvous state kept as JSON (comm/rendezvous_state.py): what the store holds is JSON
+and never a pickle, a full state round-trips exactly, compare-and-set behaves like torch's c10d
+backend, and a pickle an attacker writes into the store is refused without running it."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from frugaltrain.comm.rendezvous_state import JsonBackend, StateError, from_json, to_json
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    yield dist.PrefixStore("rdzv", server)
+
+
+def _state(round_idx: int = 3) -> _RendezvousState:
+    t0 = datetime(2025, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+    a, b, c, d = (_NodeDesc(f"worker{i}", 1000 + i, i) for i in range(4))
+    s = _RendezvousState()
+    s.round, s.complete, s.closed = round_idx, True, False
+    s.deadline = t0 + timedelta(seconds=2)
+    s.participants = {b: 0, a: 1}
+    s.wait_list = {c}
+    s.redundancy_list = {d}
+    s.last_heartbeats = {a: t0, b: t0 - timedelta(microseconds=1), c: t0, d: t0}
+    return s
+
+
+def _same(a: _RendezvousState, b: _RendezvousState) -> bool:
+    return vars(a) == vars(b) and list(a.participants) == list(b.participants)
+
+
+def test_the_store_holds_json_and_no_pickle(store):
+    backend = JsonBackend(store, "run")
+    assert backend.get_state() is None  # no state yet
+    bits, token, ok = backend.set_state(pickle.dumps(_state()))
+    assert ok
+    raw = store.get("frugaltrain.rendezvous.json.run")
+    assert raw == token
+    doc = json.loads(raw)
+    assert doc["round"] == 3 and len(doc["participants"]) == 2
+    assert raw.isascii() and not raw.startswith(b"\x80")  # no pickle protocol 2+ header
+    with pytest.raises(pickle.UnpicklingError):  # and no pickle of protocol 0 or 1 either
+        pickle.loads(raw)
+
+
+def test_a_full_state_round_trips_exactly(store):
+    state = _state()
+    assert _same(from_json(to_json(pickle.dumps(state))), state)
+    backend = JsonBackend(store, "run")
+    backend.set_state(pickle.dumps(state))
+    bits, _ = backend.get_state()
+    assert _same(pickle.loads(bits), state)
+    naive = _state()
+    naive.deadline, naive.complete = datetime(2024, 5, 6, 7, 8, 9), False
+    assert _same(from_json(to_json(pickle.dumps(naive))), naive)
+
+
+def test_compare_and_set_conflicts_like_the_c10d_backend(store):
+    first, second = JsonBackend(store, "run"), JsonBackend(store, "run")
+    _, token1, ok = first.set_state(pickle.dumps(_state(1)))
+    assert ok
+    # No token: written only while there is no state yet; else the current one comes back.
+    bits, token, ok = second.set_state(pickle.dumps(_state(9)))
+    assert not ok and token == token1 and pickle.loads(bits).round == 1
+    _, token2, ok = first.set_state(pickle.dumps(_state(2)), token1)
+    assert ok and token2 != token1
+    bits, token, ok = second.set_state(pickle.dumps(_state(7)), token1)  # a stale token
+    assert not ok and token == token2 and pickle.loads(bits).round == 2
+    bits, token, ok = second.set_state(pickle.dumps(_state(7)), token2)
+    assert ok and pickle.loads(bits).round == 7
+    assert pickle.loads(first.get_state()[0]).round == 7
+    bits, token, ok = second.set_state(pickle.dumps(_state(8)), "not bytes")
+    assert not ok and pickle.loads(bits).round == 7
+
+
+class _Bomb:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.path, "ran"))
+
+
+def test_a_pickle_written_into_the_store_is_refused(store, tmp_path):
+    backend = JsonBackend(store, "run")
+    store.set("frugaltrain.rendezvous.json.run", pickle.dumps(_Bomb(tmp_path / "pwned")))
+    with pytest.raises(RendezvousStateError, match="rendezvous state: not JSON"):
+        backend.get_state()
+    assert not (tmp_path / "pwned").exists()
+    bad = {
+        "fields": b'{"round": 1}',
+        "type": json.dumps({**json.loads(to_json(pickle.dumps(_state()))), "round": "1"}),
+        "node": json.dumps(
+            {**json.loads(to_json(pickle.dumps(_state()))), "wait_list": [["x", -1, 0]]}
+        ),
+        "huge": b" " * (8 << 20),
+    }
+    for name, raw in bad.items():
+        store.set("frugaltrain.rendezvous.json.run", raw)
+        with pytest.raises(StateError) as err:
+            backend.get_state()
+        assert "\n" not in str(err.value) and isinstance(err.value, ValueError), name
+
+
+def test_the_handler_pickle_is_read_with_only_the_state_classes(tmp_path):
+    with pytest.raises(StateError, match="refusing to build"):
+        to_json(pickle.dumps(_Bomb(tmp_path / "pwned")))
+    assert not (tmp_path / "pwned").exists()
