@@ -113,7 +113,9 @@ def _add_machine_commands(sub) -> None:
     """`coordinator` and `join`: a run across machines that come and go (docs/multihost.md)."""
     p = sub.add_parser("coordinator", help="hold a run that machines join (no training)")
     add_train_flags(p)
-    p.add_argument("--port", type=int, default=29400, help="the port machines join at")
+    p.add_argument(
+        "--port", type=int, help="the port machines join at (29400; resumed: the run's own)"
+    )
     p.add_argument("--bind", default="0.0.0.0", help="the address to listen on (default: all)")
     p.add_argument("--token", metavar="FILE", help="the run's token file (only its holders join)")
     p.add_argument(
@@ -124,6 +126,12 @@ def _add_machine_commands(sub) -> None:
     p.add_argument("--token", metavar="FILE", required=True, help="the run's token file")
     p.add_argument("--workers", type=int, default=1, help="slots to fill on this machine")
     p.add_argument("--run-dir", help="where this machine keeps its logs and checkpoints")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        default="",
+        help="this machine's run directory, after the coordinator was away too long",
+    )
 
 
 def _machines(args) -> int:
@@ -132,7 +140,7 @@ def _machines(args) -> int:
         from frugaltrain.train.agent import run_join
 
         try:
-            return run_join(args.address, args.token, args.workers, args.run_dir)
+            return run_join(args.address, args.token, args.workers, args.run_dir, args.resume)
         except (Refused, ConnectionError) as e:  # one line: why this machine is not in
             print(f"frugaltrain: error: {e}", file=sys.stderr)
             return 2 if isinstance(e, Refused) else 1

@@ -231,6 +231,10 @@ class FaultToleranceSection(Section):
     deadline_floor_s: float = 60.0
     """The shortest adaptive deadline, in seconds: slack for what a round can legitimately
     contain on one peer only (a checkpoint write, a slow evaluation)."""
+    coordinator_wait_s: float = 600.0
+    """Across machines (frugaltrain join): how long a machine that lost the coordinator waits
+    for it to come back (`frugaltrain coordinator --resume`) before it exits with its
+    checkpoints in place."""
     inject: str = ""
     """Faults to inject, ';'-separated (with enabled = false on the plain runtime, where a killed
     worker ends the run and a silent one holds the others up): 'kill:worker=2,round=5',
@@ -242,6 +246,7 @@ class FaultToleranceSection(Section):
         self.positive("mix1_deadline_s")
         self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
         self.positive("deadline_floor_s")
+        self.positive("coordinator_wait_s")
         self.at_least("max_restarts", 0)
         try:
             faults.parse(self.inject)

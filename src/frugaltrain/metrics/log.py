@@ -31,14 +31,8 @@ class MetricsLog:
         self.path = Path(path)
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
-        if enabled and truncate_after_step is not None and self.path.exists():
-            # Resuming: keep the records up to the checkpoint so the log continues seamlessly.
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= truncate_after_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if enabled and truncate_after_step is not None:
+            keep_until_step(self.path, truncate_after_step)
         self._f = open(self.path, "a") if enabled else None  # noqa: SIM115
 
     def write(self, record: dict) -> None:
@@ -59,6 +53,19 @@ class MetricsLog:
             self._f = None
             for sink in self.sinks:
                 sink.close()
+
+
+def keep_until_step(path: Path, step: int) -> None:
+    """Resuming: keep the records up to the checkpoint's step, so the log continues seamlessly
+    (every round once)."""
+    if not Path(path).exists():
+        return
+    kept = [
+        line
+        for line in Path(path).read_text().splitlines()
+        if line and json.loads(line).get("step", 0) <= step
+    ]
+    Path(path).write_text("".join(line + "\n" for line in kept))
 
 
 def read_metrics(path: Path) -> list[dict]:

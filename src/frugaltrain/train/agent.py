@@ -32,7 +32,8 @@ from frugaltrain.comm.auth import Channel, connect, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import StoreTunnel
 from frugaltrain.config import Config, ConfigError, build_config, to_dict, to_toml
-from frugaltrain.train import supervisor
+from frugaltrain.metrics.log import keep_until_step
+from frugaltrain.train import checkpoint, supervisor
 from frugaltrain.train.coordinator import LEASE_S, PING_S
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
@@ -53,41 +54,83 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class CoordinatorLost(Exception):
+    """The control channel failed: the coordinator is gone, or this machine is cut off."""
+
+
 class Agent:
-    """One machine's agent; see the module docstring."""
+    """One machine's agent; see the module docstring. `run_dir`: where this machine keeps its
+    logs and checkpoints; with `resume`, a run directory this machine had (its machine id and
+    slots come back from it, and its workers from its checkpoints)."""
 
-    def __init__(self, address: str, token: bytes, workers: int, run_dir: str | None) -> None:
+    def __init__(
+        self, address: str, token: bytes, workers: int, run_dir: str | None, resume: bool = False
+    ) -> None:
         self.host, self.port = parse_address(address)
-        self.token, self.workers, self.wanted_dir = token, workers, run_dir
-        self.machine = uuid.uuid4().hex[:12]
+        self.token, self.workers = token, workers
+        self.machine, self.slots, self.session = uuid.uuid4().hex[:12], [], ""
+        self.run_dir: Path | None = Path(run_dir) if run_dir else None
+        if resume:
+            info = json.loads((self.run_dir / MACHINE_FILE).read_text())
+            self.machine, self.slots = info["machine"], info["slots"]
         self.metrics_at = 0  # bytes of metrics.jsonl already sent
+        self.cfg: Config | None = None
+        self.gave_up = False  # the coordinator stayed away past coordinator_wait_s
 
-    # ---- joining
-    def join(self) -> bool:
-        """Prove the token, get the config and slots (waiting while none is free); False if
-        the run ended first."""
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ---- talking to the coordinator
+    def join(self) -> dict | None:
+        """Prove the token and ask for slots (those this machine held, if any, and the rounds
+        it has checkpoints of); wait while none is free or the others are not back. Returns the
+        coordinator's answer, or None if the run ended first."""
         self.channel: Channel = connect(self.host, self.port, self.token)
-        name = socket.gethostname()
-        self.channel.send(
-            {"want": "join", "workers": self.workers, "machine": self.machine, "name": name}
-        )
+        request = {"want": "join", "workers": self.workers, "machine": self.machine}
+        request |= {"name": socket.gethostname(), "slots": self.slots, "rounds": self._rounds()}
+        self.channel.send(request)
         said = False
         while True:
             msg = self.channel.recv(timeout_s=LEASE_S * 4)
-            if "wait" in msg:
-                if not said:
-                    print(f"[agent] waiting for a free slot: {msg['wait']}", flush=True)
-                    said = True
-                self.channel.send({"ping": True})
-                continue
-            if "over" in msg or "error" in msg:
-                print(f"[agent] {msg.get('over') or msg.get('error')}", flush=True)
-                return False
-            break
-        self.slots: list[int] = list(msg["slots"])
-        self.cfg = self._here(build_config(Config, tomllib.loads(msg["config"])))
-        self._prepare()
-        return True
+            if "wait" not in msg:
+                break
+            if not said:
+                print(f"[agent] waiting: {msg['wait']}", flush=True)
+                said = True
+            self.channel.send({"ping": True})
+        if "over" in msg or "error" in msg:
+            print(f"[agent] {msg.get('over') or msg.get('error')}", flush=True)
+            return None
+        return msg
+
+    def _rounds(self) -> list[tuple[int, int]]:
+        """(round, step) of the complete checkpoints this machine holds, oldest first."""
+        if self.run_dir is None:
+            return []
+        metas = [
+            json.loads((d / "COMPLETE").read_text()) for d in checkpoint.completed(self.run_dir)
+        ]
+        return [(m["round"], m["step"]) for m in metas]
+
+    def _take(self, msg: dict) -> Path | None:
+        """The coordinator's answer: the config (checked here the first time), this machine's
+        slots, and the checkpoint its workers start from (None: a fresh start, or a rejoin)."""
+        self.slots, self.session = list(msg["slots"]), msg["session"]
+        if self.cfg is None:
+            self.cfg = self._here(build_config(Config, tomllib.loads(msg["config"])))
+            self._prepare()
+        info = {"machine": self.machine, "slots": self.slots, "coordinator": self.address}
+        (self.run_dir / MACHINE_FILE).write_text(json.dumps(info) + "\n")
+        if msg.get("resume") is None:
+            return None
+        ckpt = checkpoint.round_dir(self.run_dir, int(msg["resume"]))
+        checkpoint.verify(ckpt)
+        step = json.loads((ckpt / "COMPLETE").read_text())["step"]
+        keep_until_step(self.run_dir / "metrics.jsonl", step)  # those rounds are logged again
+        # Lines up to the checkpoint that never reached the coordinator are still to send.
+        self.metrics_at = min(self.metrics_at, _size(self.run_dir / "metrics.jsonl"))
+        return ckpt
 
     def _here(self, cfg: Config) -> Config:
         """The run's config with this machine's cores shared out over its own processes
@@ -103,63 +146,100 @@ class Agent:
 
         check_model(self.cfg)
         check_data(self.cfg)
-        if self.wanted_dir:
-            self.run_dir = Path(self.wanted_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        else:
+        if self.run_dir is None:
             self.run_dir = new_run_dir(self.cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
-        info = {"machine": self.machine, "slots": self.slots, "coordinator": self.address}
-        (self.run_dir / MACHINE_FILE).write_text(json.dumps(info) + "\n")
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     # ---- running this machine's slots
-    def run(self) -> int:
-        cfg, S = self.cfg, self.cfg.run.shards
+    def run(self, msg: dict) -> int:
+        """Run this machine's slots until they finish; through a lost coordinator, wait for it
+        (fault_tolerance.coordinator_wait_s) and go on as it says."""
+        resume = self._take(msg)
         self.tunnel = StoreTunnel(self.host, self.port, self.token).start()
-        timeout = timedelta(seconds=max(60.0, cfg.run.timeout_s))
-        store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
-        self.ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
-        ranks = [slot * S + s for slot in self.slots for s in range(S)]
-        print(
-            f"[agent] slots {self.slots} of run {cfg.run.name} ({cfg.outer.strategy}); "
-            f"run dir {self.run_dir}",
-            flush=True,
-        )
         try:
-            with supervisor.environment(supervisor.worker_env(cfg)):
-                self._supervise(ranks)
+            while True:
+                print(
+                    f"[agent] slots {self.slots} of run {self.cfg.run.name} "
+                    f"({self.cfg.outer.strategy}); run dir {self.run_dir}",
+                    flush=True,
+                )
+                try:
+                    with supervisor.environment(supervisor.worker_env(self.cfg)):
+                        self._supervise(resume)
+                    return 0
+                except CoordinatorLost as e:
+                    msg = self._wait_for_coordinator(str(e))
+                    if msg is None:
+                        return 1 if self.gave_up else 0
+                    resume = self._take(msg)
         finally:
             self.tunnel.close()
-        return 0
 
-    def _supervise(self, ranks: list[int]) -> None:
+    def _wait_for_coordinator(self, why: str) -> dict | None:
+        """Join again, every PING_S, for at most coordinator_wait_s; None when it never came
+        back (one line says where this machine's checkpoints are) or the run ended."""
+        wait_s = self.cfg.fault_tolerance.coordinator_wait_s
+        print(
+            f"[agent] lost the coordinator at {self.address} ({why}); this machine's workers "
+            f"stopped; waiting up to {wait_s:g} s for it to come back",
+            flush=True,
+        )
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait_s:
+            try:
+                return self.join()
+            except (ConnectionError, OSError, TimeoutError):
+                time.sleep(PING_S)
+        self.gave_up, rounds = True, self._rounds()
+        where = f"round {rounds[-1][0]} in {self.run_dir}" if rounds else "none yet"
+        print(
+            f"[agent] the coordinator did not come back within {wait_s:g} s "
+            f"(fault_tolerance.coordinator_wait_s); this machine's checkpoints: {where}; go on "
+            f"with `frugaltrain join {self.address} --token FILE --resume {self.run_dir}` once "
+            "`frugaltrain coordinator --resume` runs",
+            flush=True,
+        )
+        return None
+
+    def _supervise(self, resume: Path | None) -> None:
+        """This machine's processes until all have finished; CoordinatorLost (every process
+        stopped) when the control channel fails."""
         cfg, S = self.cfg, self.cfg.run.shards
+        timeout = timedelta(seconds=max(60.0, cfg.run.timeout_s))
+        store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
+        ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
+        ranks = [slot * S + s for slot in self.slots for s in range(S)]
         ctx = mp.get_context("spawn")
-        args = (to_toml(cfg), str(self.run_dir), "127.0.0.1", self.tunnel.port, None)
-        args += (tuple(self.slots),)
+        args = (to_toml(cfg), str(self.run_dir), "127.0.0.1", self.tunnel.port)
         procs: dict[int, mp.Process] = {}
         restarts = dict.fromkeys(self.slots, 0)
         finished: set[int] = set()
 
-        def start(rank: int) -> None:
+        def start(rank: int, ckpt: Path | None = None) -> None:
             local = {"LOCAL_RANK": str(ranks.index(rank))}
+            at = str(ckpt) if ckpt else None
             with supervisor.environment(local):
-                procs[rank] = ctx.Process(target=supervisor.worker_process, args=(rank, *args))
+                procs[rank] = ctx.Process(
+                    target=supervisor.worker_process, args=(rank, *args, at, tuple(self.slots))
+                )
                 procs[rank].start()
 
         try:
             for rank in ranks:
-                start(rank)
-            while len(finished) < len(ranks):
+                start(rank, resume)
+            while True:
                 time.sleep(PING_S)
-                failed = supervisor.exited(procs, finished, self.ft_store, cfg, self.run_dir)
-                supervisor.restart_failed(failed, procs, start, restarts, cfg, self.run_dir)
+                try:
+                    failed = supervisor.exited(procs, finished, ft_store, cfg, self.run_dir)
+                except RuntimeError as e:  # the store is the coordinator's: it is gone too
+                    raise CoordinatorLost(f"the run's store: {short(e)}") from e
                 done = [x for x in self.slots if all(x * S + s in finished for s in range(S))]
-                self._ping(done, leaving=len(finished) == len(ranks))
+                leaving = len(finished) == len(ranks)
+                self._ping(done, leaving)  # before any restart: not into a lost run
+                if leaving:
+                    return
+                supervisor.restart_failed(failed, procs, start, restarts, cfg, self.run_dir)
         finally:
             for p in procs.values():
                 if p.is_alive():
@@ -167,12 +247,16 @@ class Agent:
                 p.join()
 
     def _ping(self, finished: list[int], leaving: bool) -> None:
-        """Alive, with the new metrics lines and the finished slots."""
+        """Alive, with the new metrics lines and the finished slots; CoordinatorLost if the
+        coordinator does not answer within LEASE_S (or answers from a new session)."""
         msg = {"ping": True, "metrics": self._new_metrics(), "finished": finished}
         if leaving:
             msg["leaving"] = True
-        self.channel.send(msg)
-        self.channel.recv(timeout_s=LEASE_S)
+        try:
+            self.channel.send(msg)
+            self.channel.recv(timeout_s=LEASE_S)
+        except (ConnectionError, OSError, TimeoutError) as e:
+            raise CoordinatorLost(short(e)) from e
 
     def _new_metrics(self) -> list[str]:
         """Complete lines appended to this machine's metrics.jsonl since the last ping."""
@@ -187,14 +271,29 @@ class Agent:
         return [line for line in data[:end].decode().splitlines() if line.strip()]
 
 
-def run_join(address: str, token_path: str, workers: int, run_dir: str | None = None) -> int:
+def short(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:160]
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def run_join(
+    address: str, token_path: str, workers: int, run_dir: str | None = None, resume: str = ""
+) -> int:
     """`frugaltrain join`: every check (address, token, then the run's model and data on this
-    machine) before any worker starts."""
+    machine) before any worker starts. `resume`: this machine's run directory of the same run
+    (after the coordinator was away past fault_tolerance.coordinator_wait_s)."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give the number of slots to fill, at least 1")
-    agent = Agent(address, read_token(token_path), workers, run_dir)
-    if not agent.join():
-        return 0
-    code = agent.run()
+    if resume and not (Path(resume) / MACHINE_FILE).is_file():
+        raise ConfigError(
+            f"--resume {resume}: no {MACHINE_FILE} there; pass the run directory this machine "
+            "had in the run (its --run-dir)"
+        )
+    agent = Agent(address, read_token(token_path), workers, resume or run_dir, bool(resume))
+    msg = agent.join()
+    code = 0 if msg is None else agent.run(msg)
     sys.stdout.flush()
     return code

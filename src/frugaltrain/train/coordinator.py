@@ -35,6 +35,7 @@ from frugaltrain.comm.auth import Channel, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
+from frugaltrain.metrics.log import keep_until_step
 
 LEASE_S = 5.0  # a machine silent this long has lost its slots (the detection bound)
 PING_S = 1.0  # how often a machine's agent says it is alive
@@ -92,11 +93,20 @@ class Coordinator:
     """See the module docstring. `start` opens the store and the gateway; `wait` returns when
     every slot's workers have finished training."""
 
-    def __init__(self, cfg: Config, run_dir: Path, token: bytes, bind: str, port: int) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: Path, token: bytes, bind: str, port: int, resume: bool = False
+    ) -> None:
         self.cfg, self.run_dir, self.token = cfg, run_dir, token
         self.bind, self.port = bind, port
-        self.slots = Slots(cfg.run.workers, self._saved_owners())
+        self.slots = Slots(cfg.run.workers, self._saved_owners() if resume else None)
         self.machines: dict[str, Machine] = {}
+        # --resume: the machines that held the slots come back and all go on from the newest
+        # round every one of them has a checkpoint of (the store, and with it the runtime's
+        # state, did not survive the coordinator).
+        self.resuming = resume
+        self.reports: dict[str, dict[int, int]] = {}  # machine -> its checkpoints' round: step
+        self.resumed: set[str] = set()  # machines told where to go on from
+        self.session = uuid.uuid4().hex[:12]
         self.log_lock = threading.Lock()
         self.done = threading.Event()
         self.connected = 0  # machines whose control channel is open
@@ -132,8 +142,15 @@ class Coordinator:
             return
         machine.slots = slots
         self._save_state()
-        self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}")
-        channel.send({"config": to_toml(self.cfg), "slots": slots, "machine": machine.id})
+        reply = {"config": to_toml(self.cfg), "slots": slots, "session": self.session}
+        if self.resuming and machine.id not in self.resumed:
+            reply["resume"] = self._resume_round(machine, request, channel)
+            if reply["resume"] is None:
+                return
+            self.resumed.add(machine.id)
+        where = f", from round {reply['resume']}" if "resume" in reply else ""
+        self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}{where}")
+        channel.send(reply)
         with self.log_lock:
             self.connected += 1
         try:
@@ -141,6 +158,31 @@ class Coordinator:
         finally:
             with self.log_lock:
                 self.connected -= 1
+
+    def _resume_round(self, machine: Machine, request: dict, channel: Channel) -> int | None:
+        """The newest round every slot's machine has a checkpoint of, once they are all back
+        (the others wait, told so every LEASE_S); None if this machine left meanwhile or there
+        is no such round (it is told why)."""
+        self.reports[machine.id] = {int(r): int(s) for r, s in request.get("rounds", [])}
+        while True:
+            owners = set(self.slots.owner)
+            missing = [s for s, o in enumerate(self.slots.owner) if o not in self.reports]
+            if not missing:
+                break
+            channel.send({"wait": f"resuming: the machines of slots {missing} are not back"})
+            try:
+                channel.recv(timeout_s=LEASE_S)
+            except (ConnectionError, OSError, TimeoutError):
+                return None
+            time.sleep(PING_S)
+        common = set.intersection(*(set(self.reports[o]) for o in owners))
+        if not common:
+            channel.send({"error": "no checkpoint round that every slot's machine holds"})
+            return None
+        r = max(common)
+        with self.log_lock:  # the rounds after it are trained and logged again
+            keep_until_step(self.run_dir / "metrics.jsonl", self.reports[machine.id][r])
+        return r
 
     def _machine(self, request: dict, peer: str) -> Machine:
         mid = str(request.get("machine") or uuid.uuid4().hex[:12])
@@ -170,6 +212,8 @@ class Coordinator:
             try:
                 msg = channel.recv(timeout_s=LEASE_S)
             except (ConnectionError, OSError, TimeoutError) as e:
+                if self.machines.get(machine.id) is not machine:
+                    return  # it has joined again on a new channel, which holds its slots now
                 freed = self.slots.release(machine.id)
                 self._save_state()
                 if freed:
@@ -269,25 +313,35 @@ def run_coordinator(
     config_path: str | None,
     overrides: list[str],
     token_path: str,
-    port: int,
+    port: int | None,
     bind: str = "0.0.0.0",
     resume: str | None = None,
 ) -> int:
-    """`frugaltrain coordinator`: serve the run until every slot has finished, then write its
-    summary. Every check (token, config) comes before the port opens."""
+    """`frugaltrain coordinator`: serve the run until training is over, then write its
+    summary. Every check (token, config) comes before the port opens. With `resume` (the
+    coordinator's run directory), the port and the slots' machines come from its state file."""
     from frugaltrain.metrics.report import report
 
     token = read_token(token_path)
     cfg, run_dir = coordinator_config(config_path, overrides, resume)
-    coord = Coordinator(cfg, run_dir, token, bind, port).start()
+    state = run_dir / COORDINATOR_STATE
+    if port is None:
+        port = json.loads(state.read_text())["port"] if resume and state.is_file() else 29400
+    coord = Coordinator(cfg, run_dir, token, bind, port, resume=bool(resume)).start()
+    again = " (resumed: the machines go on from their checkpoints)" if resume else ""
     coord.say(
         f"run {cfg.run.name}: {cfg.outer.strategy}, {cfg.run.workers} slots; machines join "
-        f"with `frugaltrain join HOST:{coord.port} --token FILE` (run dir {run_dir})"
+        f"with `frugaltrain join HOST:{coord.port} --token FILE` (run dir {run_dir}){again}"
     )
+    if not cfg.run.checkpoint_every:
+        coord.say(
+            "note: run.checkpoint_every = 0 writes a checkpoint only at the end, so a restart "
+            "of this coordinator goes back to the start; 1 loses at most a round"
+        )
     try:
         coord.wait()
     finally:
         coord.close()
-    coord.say("every slot finished; the run is over")
+    coord.say("training is over")
     report(run_dir)
     return 0

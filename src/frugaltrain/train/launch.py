@@ -368,6 +368,7 @@ _RUN_MAY_CHANGE += ("threads", "timeout_s", "progress", "tensorboard", "wandb")
 # and how a replica is laid out: DCP reshards (docs/sharding.md)
 _RUN_MAY_CHANGE += ("shards", "activation_checkpointing")
 _FT_MAY_CHANGE = ("mix1_deadline_s", "deadline_factor", "deadline_floor_s", "max_restarts")
+_FT_MAY_CHANGE += ("coordinator_wait_s",)
 RESUME_MAY_CHANGE = tuple(f"run.{k}" for k in _RUN_MAY_CHANGE)
 RESUME_MAY_CHANGE += tuple(f"fault_tolerance.{k}" for k in _FT_MAY_CHANGE)
 

@@ -1,0 +1,91 @@
+"""Machines that come and go, each a netlab namespace with its own address and shaped link: the
+coordinator in one, a `join` agent in each of the others. Root only (namespaces and tc).
+
+A machine is killed whole (every process of its namespace): the others go on without
+restarting anything, and the coordinator frees its slot; a new machine joins into that slot
+and is admitted at a round end with its donor's state (equal digests). Every round is logged
+once, with the members the changes before it left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+from ft_records import detected_by, members_per_round, membership
+from machines_run import Run, rounds_logged, wait_for
+
+from frugaltrain.metrics.log import read_metrics
+from frugaltrain.netlab.lab import NetLab, why_not_available
+
+REASON = why_not_available()
+SETS = (
+    "run.workers=3",
+    "run.steps=160",  # 40 rounds of H = 4, each paced by the shaped links
+    "outer.H=4",
+    "run.threads=1",
+    "run.eval_every=0",
+    "run.eval_batches=2",
+    "run.progress=false",
+    "model.n_embd=64",
+    "run.name='nl'",
+)
+RATE_MBIT = 8.0
+
+
+def machine(lab: NetLab, i: int) -> list[str]:
+    """The prefix that runs a command as machine i: in its namespace, gloo on its link."""
+    return [*lab.exec_args(i), "env", "GLOO_SOCKET_IFNAME=eth0"]
+
+
+def kill_machine(lab: NetLab, i: int) -> None:
+    """Every process of machine i's namespace, at once, with SIGKILL."""
+    pids = subprocess.run(["ip", "netns", "pids", lab.ns(i)], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_a_machine_killed_whole_and_a_new_one_joining_its_slot(config_factory, tmp_path):
+    cfg = config_factory(tmp_path / "coord", *SETS)
+    lab = NetLab(5, RATE_MBIT, tag=f"m{os.getpid() % 10000}")
+    with lab:
+        run = Run(tmp_path, cfg, bind=lab.addr(0))
+        try:
+            coord = run.start_coordinator(prefix=machine(lab, 0))
+            wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
+            stayed = []
+            for i, name in ((1, "a"), (2, "b"), (3, "doomed")):
+                agent = run.join(name, prefix=machine(lab, i), host=lab.addr(0))
+                line = f"joined: slots [{i - 1}]"
+                wait_for(lambda line=line: line in run.log(), f"{name} joined", procs=[agent])
+                stayed += [agent] if name != "doomed" else []
+            wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord, *stayed])
+            kill_machine(lab, 3)
+            wait_for(lambda: "lost" in run.log(), "the coordinator freeing slot 2", procs=stayed)
+            late = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
+            for p in (*stayed, late, coord):
+                assert p.wait(300) == 0, p.args
+        finally:
+            run.close()
+    log = run.log()
+    assert "lost (connection closed): slots [2] are free" in log, log
+    assert log.count("joined: slots [2]") == 2, log  # the doomed machine, then the late one
+    for name in ("a", "b", "late"):  # nobody restarted a process
+        assert "restarting" not in run.output(name), run.output(name)
+
+    records = read_metrics(run.coord_dir / "metrics.jsonl")
+    rounds = [r for r in records if r.get("kind") == "round"]
+    assert [r["round"] for r in rounds] == list(range(1, 41))  # each round once
+    assert [r["ft/members"] for r in rounds] == members_per_round(records, 3)
+    events = membership(records)
+    left = [e for e in events if "reason" in e]
+    assert left and all(detected_by(e["reason"]) != "run.timeout_s" for e in left), left
+    rejoined = [e for e in events if e["event"] == "rejoined"]
+    assert [(e["worker"], e["match"]) for e in rejoined] == [(2, True)], rejoined
+    assert 3 in [r["ft/members"] for r in rounds[-5:]]  # it trained with the others again
