@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from machines_run import Run, rounds_logged, wait_for
 
@@ -16,8 +17,10 @@ from frugaltrain.train import checkpoint, launch
 
 SETS = (
     "run.workers=2",
-    "run.steps=24",  # 6 rounds of H = 4
+    "run.steps=240",  # 60 rounds of H = 4
     "outer.H=4",
+    "model.n_embd=64",
+    "run.checkpoint_every=1",
     "run.threads=1",
     "run.eval_every=8",
     "run.eval_batches=2",
@@ -39,11 +42,33 @@ def final_models(run_dirs: list[Path], workers: int) -> dict[int, dict]:
     return out
 
 
-def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(config_factory, tmp_path):
-    local = config_factory(tmp_path / "local", *SETS)
-    local_dir = launch.new_run_dir(local)
-    launch.run(local, local_dir)
+@pytest.fixture(scope="module")
+def reference(config_factory, tmp_path_factory) -> Path:
+    """The same config under the local launcher: what every machine run must equal."""
+    cfg = config_factory(tmp_path_factory.mktemp("local"), *SETS)
+    run_dir = launch.new_run_dir(cfg)
+    launch.run(cfg, run_dir)
+    return run_dir
 
+
+def assert_equal_to(reference: Path, run: Run, machine_dirs: list[Path]) -> None:
+    """Bit for bit: every worker's final model, and every round logged once with the same
+    losses."""
+    mine, theirs = final_models(machine_dirs, 2), final_models([reference], 2)
+    assert sorted(mine) == [0, 1]
+    for r in range(2):
+        for name, t in theirs[r].items():
+            assert torch.equal(mine[r][name], t), (r, name)
+    ours = [r for r in read_metrics(run.coord_dir / "metrics.jsonl") if r["kind"] == "round"]
+    ref = [r for r in read_metrics(reference / "metrics.jsonl") if r["kind"] == "round"]
+    assert [r["round"] for r in ours] == [r["round"] for r in ref] == list(range(1, 61))
+    assert [r["loss/train"] for r in ours] == [r["loss/train"] for r in ref]
+    assert [r.get("loss/val") for r in ours] == [r.get("loss/val") for r in ref]
+
+
+def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(
+    config_factory, tmp_path, reference
+):
     run = Run(tmp_path, config_factory(tmp_path / "coord", *SETS))
     try:
         coord = run.start_coordinator()
@@ -62,28 +87,14 @@ def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(config_facto
         run.close()
     assert run.log().count("refused") == 1 and "wrong token" in run.log()
     assert not (tmp_path / "stranger").exists()  # it got no config, so it made nothing
-
-    mine = final_models([tmp_path / "a", tmp_path / "b"], 2)
-    theirs = final_models([local_dir], 2)
-    assert sorted(mine) == [0, 1]
-    for r in range(2):
-        for name, t in theirs[r].items():
-            assert torch.equal(mine[r][name], t), (r, name)
-    ours = [r for r in read_metrics(run.coord_dir / "metrics.jsonl") if r["kind"] == "round"]
-    ref = [r for r in read_metrics(local_dir / "metrics.jsonl") if r["kind"] == "round"]
-    assert [r["round"] for r in ours] == [r["round"] for r in ref] == list(range(1, 7))
-    assert [r["loss/train"] for r in ours] == [r["loss/train"] for r in ref]
-    assert [r.get("loss/val") for r in ours] == [r.get("loss/val") for r in ref]
+    assert_equal_to(reference, run, [tmp_path / "a", tmp_path / "b"])
     assert (run.coord_dir / "summary.json").is_file()
 
 
-def test_the_coordinator_killed_and_restarted_the_run_goes_on_exactly(config_factory, tmp_path):
-    sets = (*SETS, "run.steps=240", "run.checkpoint_every=1", "model.n_embd=64")
-    local = config_factory(tmp_path / "local", *sets)
-    local_dir = launch.new_run_dir(local)
-    launch.run(local, local_dir)
-
-    run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
+def test_the_coordinator_killed_and_restarted_the_run_goes_on_exactly(
+    config_factory, tmp_path, reference
+):
+    run = Run(tmp_path, config_factory(tmp_path / "coord", *SETS))
     try:
         coord = run.start_coordinator()
         wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
@@ -103,13 +114,5 @@ def test_the_coordinator_killed_and_restarted_the_run_goes_on_exactly(config_fac
             assert p.wait(240) == 0, p.args
     finally:
         run.close()
-    assert "from round" in run.log()  # both machines went on from a common checkpoint
-    mine = final_models([tmp_path / "a", tmp_path / "b"], 2)
-    theirs = final_models([local_dir], 2)
-    for r in range(2):
-        for name, t in theirs[r].items():
-            assert torch.equal(mine[r][name], t), (r, name)
-    ours = [r for r in read_metrics(run.coord_dir / "metrics.jsonl") if r["kind"] == "round"]
-    ref = [r for r in read_metrics(local_dir / "metrics.jsonl") if r["kind"] == "round"]
-    assert [r["round"] for r in ours] == list(range(1, 61))  # every round logged once
-    assert [r["loss/train"] for r in ours] == [r["loss/train"] for r in ref]
+    assert run.log().count(", from round") == 2  # both went on from one common checkpoint
+    assert_equal_to(reference, run, [tmp_path / "a", tmp_path / "b"])

@@ -1,10 +1,12 @@
 """Machines that come and go, each a netlab namespace with its own address and shaped link: the
 coordinator in one, a `join` agent in each of the others. Root only (namespaces and tc).
 
-A machine is killed whole (every process of its namespace): the others go on without
-restarting anything, and the coordinator frees its slot; a new machine joins into that slot
-and is admitted at a round end with its donor's state (equal digests). Every round is logged
-once, with the members the changes before it left.
+One run, three events: a machine is killed whole (every process of its namespace): the others
+go on without restarting anything, and the coordinator frees its slot; a new machine joins
+into that slot and is admitted at a round end with its donor's state (equal digests); then a
+machine is cut off (its link down) until the coordinator frees its slot, and once its link is
+back it joins again and rejoins from a live peer. Every round is logged once, with the members
+the changes before it left.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from frugaltrain.netlab.lab import NetLab, why_not_available
 REASON = why_not_available()
 SETS = (
     "run.workers=3",
-    "run.steps=160",  # 40 rounds of H = 4, each paced by the shaped links
+    "run.steps=240",  # 60 rounds of H = 4, each paced by the shaped links
     "outer.H=4",
     "run.threads=1",
     "run.eval_every=0",
@@ -40,6 +42,12 @@ def machine(lab: NetLab, i: int) -> list[str]:
     return [*lab.exec_args(i), "env", "GLOO_SOCKET_IFNAME=eth0"]
 
 
+def link(lab: NetLab, i: int, up: bool) -> None:
+    """Machine i's link down (a partition: its processes live on, cut off) or up again."""
+    state = "up" if up else "down"
+    subprocess.run(["ip", "-n", lab.ns(i), "link", "set", "eth0", state], check=True)
+
+
 def kill_machine(lab: NetLab, i: int) -> None:
     """Every process of machine i's namespace, at once, with SIGKILL."""
     pids = subprocess.run(["ip", "netns", "pids", lab.ns(i)], capture_output=True, text=True)
@@ -51,7 +59,7 @@ def kill_machine(lab: NetLab, i: int) -> None:
 
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
-def test_a_machine_killed_whole_and_a_new_one_joining_its_slot(config_factory, tmp_path):
+def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
     cfg = config_factory(tmp_path / "coord", *SETS)
     lab = NetLab(5, RATE_MBIT, tag=f"m{os.getpid() % 10000}")
     with lab:
@@ -59,33 +67,40 @@ def test_a_machine_killed_whole_and_a_new_one_joining_its_slot(config_factory, t
         try:
             coord = run.start_coordinator(prefix=machine(lab, 0))
             wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
-            stayed = []
+            agents = {}
             for i, name in ((1, "a"), (2, "b"), (3, "doomed")):
-                agent = run.join(name, prefix=machine(lab, i), host=lab.addr(0))
+                agents[name] = run.join(name, prefix=machine(lab, i), host=lab.addr(0))
                 line = f"joined: slots [{i - 1}]"
-                wait_for(lambda line=line: line in run.log(), f"{name} joined", procs=[agent])
-                stayed += [agent] if name != "doomed" else []
-            wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord, *stayed])
-            kill_machine(lab, 3)
-            wait_for(lambda: "lost" in run.log(), "the coordinator freeing slot 2", procs=stayed)
-            late = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
-            for p in (*stayed, late, coord):
-                assert p.wait(300) == 0, p.args
+                wait_for(lambda line=line: line in run.log(), f"{name} joined", procs=[coord])
+            wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord])
+            kill_machine(lab, 3)  # a machine lost whole
+            wait_for(lambda: "lost (connection closed)" in run.log(), "slot 2 freed", procs=[coord])
+            agents["late"] = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
+            wait_for(lambda: run.log().count("joined: slots [2]") == 2, "late in", procs=[coord])
+            at = rounds_logged(run)
+            wait_for(lambda: rounds_logged(run) >= at + 3, "3 rounds with it", procs=[coord])
+            link(lab, 2, up=False)  # machine b cut off
+            wait_for(lambda: "lost (silent)" in run.log(), "slot 1 freed", procs=[coord])
+            link(lab, 2, up=True)
+            wait_for(lambda: run.log().count("joined: slots [1]") == 2, "b back", procs=[coord])
+            for name in ("a", "b", "late"):
+                assert agents[name].wait(300) == 0, name
+            assert coord.wait(60) == 0
         finally:
             run.close()
     log = run.log()
     assert "lost (connection closed): slots [2] are free" in log, log
-    assert log.count("joined: slots [2]") == 2, log  # the doomed machine, then the late one
-    for name in ("a", "b", "late"):  # nobody restarted a process
+    assert "lost (silent): slots [1] are free" in log, log
+    for name in ("a", "late"):  # the machines that were never cut off restarted nothing
         assert "restarting" not in run.output(name), run.output(name)
 
     records = read_metrics(run.coord_dir / "metrics.jsonl")
     rounds = [r for r in records if r.get("kind") == "round"]
-    assert [r["round"] for r in rounds] == list(range(1, 41))  # each round once
+    assert [r["round"] for r in rounds] == list(range(1, 61))  # each round once
     assert [r["ft/members"] for r in rounds] == members_per_round(records, 3)
     events = membership(records)
     left = [e for e in events if "reason" in e]
-    assert left and all(detected_by(e["reason"]) != "run.timeout_s" for e in left), left
-    rejoined = [e for e in events if e["event"] == "rejoined"]
-    assert [(e["worker"], e["match"]) for e in rejoined] == [(2, True)], rejoined
-    assert 3 in [r["ft/members"] for r in rounds[-5:]]  # it trained with the others again
+    assert len(left) == 2 and all(detected_by(e["reason"]) != "run.timeout_s" for e in left)
+    rejoined = [(e["worker"], e["match"]) for e in events if e["event"] == "rejoined"]
+    assert rejoined == [(2, True), (1, True)], rejoined
+    assert rounds[-1]["ft/members"] == 3  # all three slots trained together again

@@ -37,7 +37,11 @@ from frugaltrain.comm.gateway import Gateway
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.metrics.log import keep_until_step
 
-LEASE_S = 5.0  # a machine silent this long has lost its slots (the detection bound)
+# A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
+# dead peer within seconds (gloo errors, heartbeats). The lease only frees the slots for the next
+# machine, and its control channel shares a slow link with the bulk gloo traffic, where a
+# drop-tail queue can hold a small packet back for seconds (TCP backs off per retransmission).
+LEASE_S = 15.0
 PING_S = 1.0  # how often a machine's agent says it is alive
 COORDINATOR_STATE = "coordinator.json"
 
