@@ -28,7 +28,7 @@ from pathlib import Path
 import tomllib
 import torch.distributed as dist
 
-from frugaltrain.comm.auth import Channel, connect, read_token
+from frugaltrain.comm.auth import Channel, Refused, connect, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import StoreTunnel
 from frugaltrain.config import Config, ConfigError, build_config, to_dict, to_toml
@@ -255,7 +255,7 @@ class Agent:
         try:
             self.channel.send(msg)
             self.channel.recv(timeout_s=LEASE_S)
-        except (ConnectionError, OSError, TimeoutError) as e:
+        except (ConnectionError, OSError, TimeoutError, Refused) as e:  # Refused: a bad MAC
             raise CoordinatorLost(short(e)) from e
 
     def _new_metrics(self) -> list[str]:

@@ -339,8 +339,9 @@ def run_coordinator(
     )
     if not cfg.run.checkpoint_every:
         coord.say(
-            "note: run.checkpoint_every = 0 writes a checkpoint only at the end, so a restart "
-            "of this coordinator goes back to the start; 1 loses at most a round"
+            "note: run.checkpoint_every = 0 writes a checkpoint only at the end, so a run "
+            "whose coordinator is lost cannot go on (--resume needs a checkpoint every "
+            "machine holds); run.checkpoint_every = 1 loses at most a round"
         )
     try:
         coord.wait()
