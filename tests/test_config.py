@@ -27,6 +27,7 @@ def test_key_set_is_pinned():
             "name",
             "out_dir",
             "workers",
+            "min_workers",
             "shards",
             "activation_checkpointing",
             "seed",
@@ -101,6 +102,7 @@ def test_key_set_is_pinned():
             "max_restarts",
             "deadline_factor",
             "deadline_floor_s",
+            "coordinator_wait_s",
             "inject",
         ],
     }

@@ -254,3 +254,24 @@ def test_ft_inject_specs():
     for bad in bad_specs:
         with pytest.raises(ValueError, match="fault_tolerance.inject"):
             parse(bad)
+
+
+def test_ft_min_workers_members_wait_for_a_joiner(config_factory, tmp_path: Path):
+    """run.min_workers = 3 of 3: after worker 2 dies the others finish the round in hand, then
+    wait at its end until the restarted worker asks to join; no later round trains with 2."""
+    cfg = config_factory(
+        tmp_path,
+        *COMMON,
+        "run.steps=48",
+        "run.min_workers=3",
+        "fault_tolerance.enabled=true",
+        "run.timeout_s=30",
+        "fault_tolerance.inject='kill:worker=2,round=3'",
+    )
+    _, records = _run(cfg)
+    rounds = [r for r in records if r.get("kind") == "round"]
+    assert [r["round"] for r in rounds] == list(range(1, 13))
+    short = [r["round"] for r in rounds if r["ft/members"] < 3]
+    assert len(short) <= 1, short  # at most the round the kill struck in
+    kinds = [e["event"] for e in membership(records)]
+    assert kinds[0] == "left" and "rejoined" in kinds, kinds

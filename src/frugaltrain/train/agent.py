@@ -76,6 +76,7 @@ class Agent:
         self.metrics_at = 0  # bytes of metrics.jsonl already sent
         self.cfg: Config | None = None
         self.gave_up = False  # the coordinator stayed away past coordinator_wait_s
+        self.run_over = False  # the coordinator said training is over
 
     @property
     def address(self) -> str:
@@ -169,6 +170,9 @@ class Agent:
                         self._supervise(resume)
                     return 0
                 except CoordinatorLost as e:
+                    if self.run_over:  # it ended the run and left before this machine did
+                        print("[agent] the run is over", flush=True)
+                        return 0
                     msg = self._wait_for_coordinator(str(e))
                     if msg is None:
                         return 1 if self.gave_up else 0
@@ -254,7 +258,7 @@ class Agent:
             msg["leaving"] = True
         try:
             self.channel.send(msg)
-            self.channel.recv(timeout_s=LEASE_S)
+            self.run_over = self.channel.recv(timeout_s=LEASE_S).get("done", False)
         except (ConnectionError, OSError, TimeoutError, Refused) as e:  # Refused: a bad MAC
             raise CoordinatorLost(short(e)) from e
 
