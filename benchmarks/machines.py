@@ -362,9 +362,10 @@ def drive_machine_loss(c: Cluster, args: argparse.Namespace) -> dict:
     what = "the late machine's rejoin (more --rounds?)"
     wait_for(lambda: seen() is not None, what, t, [*procs, late])
     joined_s = seen() - c.started["late"]
+    asked_s = seen() - c.watch.first("late", "asking to rejoin")  # its processes were up
     c.finish(["coordinator", *survivors, "late"], t)
     restarts = {n: c.output(n).count("restarting") for n in survivors}
-    return {"at_kill": at_kill, "join_s": joined_s, "restarts": restarts}
+    return {"at_kill": at_kill, "join_s": joined_s, "asked_s": asked_s, "restarts": restarts}
 
 
 def machine_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) -> dict:
@@ -399,6 +400,7 @@ def machine_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) 
         },
         "join": {
             "join_s": seen["join_s"],
+            "asked_s": seen["asked_s"],
             "admitted_round": joined["round"],
             "match": [e.get("match") for e in rejoined],
             "window": join_window,
@@ -462,6 +464,7 @@ FIGURES = (  # (key in a repetition, event, what it is, format); all measured bu
     ("machine_loss.lost_s", "machine loss", "survivors' time lost, s", ".2f"),
     ("machine_loss.survivor_restarts", "machine loss", "survivor processes restarted", "d"),
     ("join.join_s", "join", "agent start to its first round as a member, s", ".1f"),
+    ("join.asked_s", "join", "its worker up and asking to join, to a member, s", ".2f"),
     ("join.lost_s", "join", "survivors' time lost at the admission, s", ".2f"),
     ("join.state_bytes", "join", "state transfer, bytes", ",d"),
     ("coordinator_restart.lost_s", "coordinator restart", "time lost beyond the delay, s", ".1f"),

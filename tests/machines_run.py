@@ -53,10 +53,19 @@ class Run:
         cmd += ["--resume", str(self.coord_dir)] if resume else ["--config", str(self.config)]
         return self._start([*prefix, *cmd], name)
 
-    def join(self, name: str, token: Path | None = None, prefix=(), host: str = "127.0.0.1"):
+    def join(
+        self,
+        name: str,
+        token: Path | None = None,
+        prefix=(),
+        host: str = "127.0.0.1",
+        resume: bool = False,
+    ) -> subprocess.Popen:
+        """Machine `name` joins (run dir root/name); `resume`: again, from that run dir, its
+        output then going to root/NAME-again.out."""
         cmd = machine_cmd("join", f"{host}:{self.port}", "--token", str(token or self.token))
-        cmd += ["--run-dir", str(self.root / name)]
-        return self._start([*prefix, *cmd], name)
+        cmd += ["--resume" if resume else "--run-dir", str(self.root / name)]
+        return self._start([*prefix, *cmd], f"{name}-again" if resume else name)
 
     def _start(self, cmd: list[str], name: str) -> subprocess.Popen:
         out = open(self.root / f"{name}.out", "w")

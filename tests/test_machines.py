@@ -15,6 +15,7 @@ from frugaltrain.comm.auth import new_token
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import checkpoint, launch
 
+WAIT_S = 10  # fault_tolerance.coordinator_wait_s: longer than the coordinator takes to start
 SETS = (
     "run.workers=2",
     "run.steps=240",  # 60 rounds of H = 4
@@ -91,10 +92,13 @@ def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(
     assert (run.coord_dir / "summary.json").is_file()
 
 
-def test_the_coordinator_killed_and_restarted_the_run_goes_on_exactly(
-    config_factory, tmp_path, reference
-):
-    run = Run(tmp_path, config_factory(tmp_path / "coord", *SETS))
+def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_path, reference):
+    """Killed and restarted at once: the machines wait and go on. Killed again and left away
+    past fault_tolerance.coordinator_wait_s: each machine exits with one line naming its
+    checkpoints; `coordinator --resume` and `join --resume` everywhere go on. Every round is
+    logged once, and the end equals the uninterrupted run bit for bit."""
+    sets = (*SETS, f"fault_tolerance.coordinator_wait_s={WAIT_S}")
+    run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
     try:
         coord = run.start_coordinator()
         wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
@@ -102,17 +106,30 @@ def test_the_coordinator_killed_and_restarted_the_run_goes_on_exactly(
         wait_for(lambda: "joined: slots [0]" in run.log(), "machine a joined", procs=[a])
         b = run.join("b")
         wait_for(lambda: rounds_logged(run) >= 3, "round 3", procs=[coord, a, b])
-        coord.kill()
-        coord.wait()
+        kill(coord)
         wait_for(
             lambda: all("lost the coordinator" in run.output(m) for m in "ab"),
             "both machines waiting for the coordinator",
             procs=[a, b],
         )
-        again = run.start_coordinator(resume=True, name="coordinator-again")
-        for p in (a, b, again):
+        again = run.start_coordinator(resume=True, name="coordinator-2")
+        wait_for(lambda: run.log().count(", from round") == 2, "both back", procs=[a, b])
+        at = rounds_logged(run)
+        wait_for(lambda: rounds_logged(run) >= at + 3, "3 more rounds", procs=[again, a, b])
+        kill(again)  # and it stays away
+        assert a.wait(60) == 1 and b.wait(60) == 1  # each says where its checkpoints are
+        assert "join 127.0.0.1:" in run.output("a") and "--resume" in run.output("a")
+        last = run.start_coordinator(resume=True, name="coordinator-3")
+        a = run.join("a", resume=True)
+        b = run.join("b", resume=True)
+        for p in (a, b, last):
             assert p.wait(240) == 0, p.args
     finally:
         run.close()
-    assert run.log().count(", from round") == 2  # both went on from one common checkpoint
+    assert run.log().count(", from round") == 4  # twice, both machines from one checkpoint
     assert_equal_to(reference, run, [tmp_path / "a", tmp_path / "b"])
+
+
+def kill(coord) -> None:
+    coord.kill()
+    coord.wait()

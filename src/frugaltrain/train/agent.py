@@ -70,10 +70,11 @@ class Agent:
         self.token, self.workers = token, workers
         self.machine, self.slots, self.session = uuid.uuid4().hex[:12], [], ""
         self.run_dir: Path | None = Path(run_dir) if run_dir else None
+        self.metrics_at = 0  # bytes of metrics.jsonl the coordinator has acknowledged
         if resume:
             info = json.loads((self.run_dir / MACHINE_FILE).read_text())
             self.machine, self.slots = info["machine"], info["slots"]
-        self.metrics_at = 0  # bytes of metrics.jsonl already sent
+            self.metrics_at = info.get("relayed", 0)
         self.cfg: Config | None = None
         self.gave_up = False  # the coordinator stayed away past coordinator_wait_s
         self.run_over = False  # the coordinator said training is over
@@ -121,8 +122,7 @@ class Agent:
         if self.cfg is None:
             self.cfg = self._here(build_config(Config, tomllib.loads(msg["config"])))
             self._prepare()
-        info = {"machine": self.machine, "slots": self.slots, "coordinator": self.address}
-        (self.run_dir / MACHINE_FILE).write_text(json.dumps(info) + "\n")
+        self._save_machine()
         if msg.get("resume") is None:
             return None
         ckpt = checkpoint.round_dir(self.run_dir, int(msg["resume"]))
@@ -131,7 +131,16 @@ class Agent:
         keep_until_step(self.run_dir / "metrics.jsonl", step)  # those rounds are logged again
         # Lines up to the checkpoint that never reached the coordinator are still to send.
         self.metrics_at = min(self.metrics_at, _size(self.run_dir / "metrics.jsonl"))
+        self._save_machine()
         return ckpt
+
+    def _save_machine(self) -> None:
+        """This machine's id, slots and relayed metrics, for `join --resume`."""
+        info = {"machine": self.machine, "slots": self.slots, "coordinator": self.address}
+        info["relayed"] = self.metrics_at
+        tmp = self.run_dir / f"{MACHINE_FILE}.tmp"
+        tmp.write_text(json.dumps(info) + "\n")
+        tmp.replace(self.run_dir / MACHINE_FILE)
 
     def _here(self, cfg: Config) -> Config:
         """The run's config with this machine's cores shared out over its own processes
@@ -253,7 +262,8 @@ class Agent:
     def _ping(self, finished: list[int], leaving: bool) -> None:
         """Alive, with the new metrics lines and the finished slots; CoordinatorLost if the
         coordinator does not answer within LEASE_S (or answers from a new session)."""
-        msg = {"ping": True, "metrics": self._new_metrics(), "finished": finished}
+        lines, upto = self._new_metrics()
+        msg = {"ping": True, "metrics": lines, "finished": finished}
         if leaving:
             msg["leaving"] = True
         try:
@@ -261,18 +271,22 @@ class Agent:
             self.run_over = self.channel.recv(timeout_s=LEASE_S).get("done", False)
         except (ConnectionError, OSError, TimeoutError, Refused) as e:  # Refused: a bad MAC
             raise CoordinatorLost(short(e)) from e
+        if upto != self.metrics_at:  # acknowledged: kept for a `join --resume`
+            self.metrics_at = upto
+            self._save_machine()
 
-    def _new_metrics(self) -> list[str]:
-        """Complete lines appended to this machine's metrics.jsonl since the last ping."""
+    def _new_metrics(self) -> tuple[list[str], int]:
+        """Complete lines appended to this machine's metrics.jsonl since the last
+        acknowledged ping, and the offset after them."""
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
-            return []
+            return [], self.metrics_at
         with open(path, "rb") as f:
             f.seek(self.metrics_at)
             data = f.read()
         end = data.rfind(b"\n") + 1
-        self.metrics_at += end
-        return [line for line in data[:end].decode().splitlines() if line.strip()]
+        lines = [line for line in data[:end].decode().splitlines() if line.strip()]
+        return lines, self.metrics_at + end
 
 
 def short(e: Exception) -> str:

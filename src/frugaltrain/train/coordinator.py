@@ -114,6 +114,7 @@ class Coordinator:
         self.log_lock = threading.Lock()
         self.done = threading.Event()
         self.connected = 0  # machines whose control channel is open
+        self.last_steps: dict[str, int] | None = None  # newest step per record kind written
 
     def start(self) -> Coordinator:
         timeout = timedelta(seconds=max(60.0, self.cfg.run.timeout_s))
@@ -186,6 +187,7 @@ class Coordinator:
         r = max(common)
         with self.log_lock:  # the rounds after it are trained and logged again
             keep_until_step(self.run_dir / "metrics.jsonl", self.reports[machine.id][r])
+            self.last_steps = None
         return r
 
     def _machine(self, request: dict, peer: str) -> Machine:
@@ -233,11 +235,22 @@ class Coordinator:
                 return
 
     def _append_metrics(self, lines: list[str]) -> None:
+        """Append the relayed lines; a step or round record at or before the newest of its
+        kind already written was sent before (a machine whose acknowledgement was lost sends
+        it again) and is skipped, so every round is logged once."""
         if not lines:
             return
-        with self.log_lock, open(self.run_dir / "metrics.jsonl", "a") as f:
+        path = self.run_dir / "metrics.jsonl"
+        with self.log_lock, open(path, "a") as f:
+            if self.last_steps is None:
+                self.last_steps = last_steps(path)
             for line in lines:
-                json.loads(line)  # a line that is not one JSON record ends this channel
+                rec = json.loads(line)  # a line that is not one JSON record ends this channel
+                kind, step = rec.get("kind"), rec.get("step")
+                if step is not None:
+                    if step <= self.last_steps.get(kind, -1):
+                        continue
+                    self.last_steps[kind] = step
                 f.write(line.rstrip("\n") + "\n")
 
     def _run_over(self) -> bool:
@@ -283,6 +296,17 @@ class Coordinator:
     def _saved_owners(self) -> list[str | None] | None:
         path = self.run_dir / COORDINATOR_STATE
         return json.loads(path.read_text())["slots"] if path.is_file() else None
+
+
+def last_steps(path: Path) -> dict[str, int]:
+    """The newest step of each kind of record in a metrics log."""
+    out: dict[str, int] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if rec.get("step") is not None:
+                out[rec["kind"]] = max(out.get(rec["kind"], -1), rec["step"])
+    return out
 
 
 def coordinator_config(config_path: str | None, overrides: list[str], resume: str | None):

@@ -131,7 +131,9 @@ class Admission:
             return False
         rank, incarnation = world.rank, world.incarnation
         token = f"{rank}:{incarnation}"
-        print(f"[worker {rank}] restarted (incarnation {incarnation}); asking to rejoin")
+        print(
+            f"[worker {rank}] restarted (incarnation {incarnation}); asking to rejoin", flush=True
+        )
         self._ask_to_join()
         rnd = world.rendezvous("join")
         world.round = rnd.round
