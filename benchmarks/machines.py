@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -174,16 +173,6 @@ def wait_for(predicate, what: str, timeout_s: float, procs=()) -> None:
         time.sleep(POLL_S)
 
 
-def kill_namespace(lab: NetLab, i: int) -> None:
-    """Every process of namespace i, at once, with SIGKILL (a machine lost whole)."""
-    pids = subprocess.run(["ip", "netns", "pids", lab.ns(i)], capture_output=True, text=True)
-    for pid in pids.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 class Cluster:
     """One run: the coordinator in namespace 0 and machines m1..mM in namespaces 1..M, each with
     its output file and run directory under `root`; a Watch over every output and over the
@@ -262,7 +251,7 @@ class Cluster:
         """Stop the watch and every process left in the lab's namespaces (a failed run's)."""
         self.watch.done.set()
         for i in range(self.lab.workers):
-            kill_namespace(self.lab, i)
+            self.lab.kill(i)
         for p in self.procs.values():
             p.wait()
 
@@ -348,7 +337,7 @@ def drive_machine_loss(c: Cluster, args: argparse.Namespace) -> dict:
     survivors = [f"m{i}" for i in range(1, M + 1) if i != doomed]
     c.wait_round(args.kill_round, t, ["coordinator", *survivors])
     at_kill = c.watch.newest_round()
-    kill_namespace(c.lab, doomed)
+    c.lab.kill(doomed)
     procs = [c.procs[n] for n in ("coordinator", *survivors)]
     wait_for(lambda: "lost (" in c.log(), "the coordinator freeing the slot", t, procs)
 
@@ -420,7 +409,7 @@ def drive_coordinator_restart(c: Cluster, args: argparse.Namespace) -> dict:
     c.up(M, t)
     c.wait_round(args.kill_round, t, ["coordinator", *machines])
     at_kill, killed = c.watch.newest_round(), time.monotonic()
-    kill_namespace(c.lab, 0)
+    c.lab.kill(0)
     c.procs["coordinator"].wait()
     time.sleep(args.delay)
     last = c.watch.newest_round()  # what worker 0 logged before its agent stopped it

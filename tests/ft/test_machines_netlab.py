@@ -12,8 +12,6 @@ the changes before it left.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 
 import pytest
 from ft_records import detected_by, members_per_round, membership
@@ -42,22 +40,6 @@ def machine(lab: NetLab, i: int) -> list[str]:
     return [*lab.exec_args(i), "env", "GLOO_SOCKET_IFNAME=eth0"]
 
 
-def link(lab: NetLab, i: int, up: bool) -> None:
-    """Machine i's link down (a partition: its processes live on, cut off) or up again."""
-    state = "up" if up else "down"
-    subprocess.run(["ip", "-n", lab.ns(i), "link", "set", "eth0", state], check=True)
-
-
-def kill_machine(lab: NetLab, i: int) -> None:
-    """Every process of machine i's namespace, at once, with SIGKILL."""
-    pids = subprocess.run(["ip", "netns", "pids", lab.ns(i)], capture_output=True, text=True)
-    for pid in pids.stdout.split():
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
     cfg = config_factory(tmp_path / "coord", *SETS)
@@ -73,15 +55,15 @@ def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
                 line = f"joined: slots [{i - 1}]"
                 wait_for(lambda line=line: line in run.log(), f"{name} joined", procs=[coord])
             wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord])
-            kill_machine(lab, 3)  # a machine lost whole
+            lab.kill(3)  # a machine lost whole
             wait_for(lambda: "lost (connection closed)" in run.log(), "slot 2 freed", procs=[coord])
             agents["late"] = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
             wait_for(lambda: run.log().count("joined: slots [2]") == 2, "late in", procs=[coord])
             at = rounds_logged(run)
             wait_for(lambda: rounds_logged(run) >= at + 3, "3 rounds with it", procs=[coord])
-            link(lab, 2, up=False)  # machine b cut off
+            lab.set_link(2, up=False)  # machine b cut off
             wait_for(lambda: "lost (silent)" in run.log(), "slot 1 freed", procs=[coord])
-            link(lab, 2, up=True)
+            lab.set_link(2, up=True)
             wait_for(lambda: run.log().count("joined: slots [1]") == 2, "b back", procs=[coord])
             for name in ("a", "b", "late"):
                 assert agents[name].wait(300) == 0, name

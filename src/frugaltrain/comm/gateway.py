@@ -140,7 +140,38 @@ def _accept_loop(listener: socket.socket, sockets: _Sockets, handle: Callable) -
         t.start()
 
 
-class Gateway:
+class _Server:
+    """A listening socket, its accept thread and the connections it handed to `handle`."""
+
+    def __init__(self) -> None:
+        self._sockets = _Sockets()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def _serve_on(self, bind: str, port: int, handle: Callable, name: str) -> int:
+        """Listen at (bind, port), port 0: a free one; returns the port."""
+        self._listener = _listen(bind, port)
+        port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(
+            target=_accept_loop,
+            args=(self._listener, self._sockets, handle),
+            daemon=True,
+            name=f"{name}:{port}",
+        )
+        self._thread.start()
+        return port
+
+    def close(self) -> None:
+        """Stop accepting, and end every open connection (and splice)."""
+        self._sockets.close_all()
+        if self._listener is not None:
+            self._listener.close()
+        if self._thread is not None:
+            self._thread.join()
+        self._sockets.join(timeout_s=5.0)
+
+
+class Gateway(_Server):
     """The coordinator's public port: authenticate, then splice to the store or call `serve`."""
 
     def __init__(
@@ -160,20 +191,10 @@ class Gateway:
         self.handshake_timeout_s = handshake_timeout_s
         self.refused: list[tuple[str, str]] = []  # (peer, reason), in order
         self._token = token
-        self._sockets = _Sockets()
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def start(self) -> Gateway:
-        self._listener = _listen(self.bind, self.port)
-        self.port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(
-            target=_accept_loop,
-            args=(self._listener, self._sockets, self._handle),
-            daemon=True,
-            name=f"gateway:{self.port}",
-        )
-        self._thread.start()
+        self.port = self._serve_on(self.bind, self.port, self._handle, "gateway")
         return self
 
     def _handle(self, conn: socket.socket, peer: str) -> None:
@@ -216,17 +237,8 @@ class Gateway:
         finally:
             self._sockets.discard(store)
 
-    def close(self) -> None:
-        """Stop accepting, and end every open connection and splice."""
-        self._sockets.close_all()
-        if self._listener is not None:
-            self._listener.close()
-        if self._thread is not None:
-            self._thread.join()
-        self._sockets.join(timeout_s=5.0)
 
-
-class StoreTunnel:
+class StoreTunnel(_Server):
     """A local port for TCPStore clients on a joining machine, forwarded through the gateway."""
 
     def __init__(
@@ -242,20 +254,10 @@ class StoreTunnel:
         self.log = log
         self.port = 0  # the local port, once started
         self._token = token
-        self._sockets = _Sockets()
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def start(self) -> StoreTunnel:
-        self._listener = _listen("127.0.0.1", 0)
-        self.port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(
-            target=_accept_loop,
-            args=(self._listener, self._sockets, self._forward),
-            daemon=True,
-            name=f"store-tunnel:{self.port}",
-        )
-        self._thread.start()
+        self.port = self._serve_on("127.0.0.1", 0, self._forward, "store-tunnel")
         return self
 
     def _forward(self, local: socket.socket, peer: str) -> None:
@@ -277,12 +279,3 @@ class StoreTunnel:
             splice(local, remote)
         finally:
             self._sockets.discard(local, remote)
-
-    def close(self) -> None:
-        """Stop accepting, and end every forwarded connection."""
-        self._sockets.close_all()
-        if self._listener is not None:
-            self._listener.close()
-        if self._thread is not None:
-            self._thread.join()
-        self._sockets.join(timeout_s=5.0)

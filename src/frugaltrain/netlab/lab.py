@@ -133,6 +133,19 @@ class NetLab:
         if self.quota is not None:
             self.quota.down()
 
+    def kill(self, i: int) -> None:
+        """Every process of namespace i at once, with SIGKILL: a machine lost whole."""
+        pids = subprocess.run(["ip", "netns", "pids", self.ns(i)], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Namespace i's link down (a partition: its processes live on, cut off) or up."""
+        _sh("ip", "-n", self.ns(i), "link", "set", "eth0", "up" if up else "down")
+
     def exec_args(self, i: int) -> list[str]:
         """Prefix that runs a command inside worker i's namespace (and CPU share)."""
         prefix = ["ip", "netns", "exec", self.ns(i)]
