@@ -111,7 +111,7 @@ class Coordinator:
         self.reports: dict[str, dict[int, int]] = {}  # machine -> its checkpoints' round: step
         self.resumed: set[str] = set()  # machines told where to go on from
         self.session = uuid.uuid4().hex[:12]
-        self.log_lock = threading.Lock()
+        self.log_lock, self.state_lock = threading.Lock(), threading.Lock()
         self.done = threading.Event()
         self.connected = 0  # machines whose control channel is open
         self.last_steps: dict[str, int] | None = None  # newest step per record kind written
@@ -288,10 +288,12 @@ class Coordinator:
 
     # ---- the state file: what --resume brings back
     def _save_state(self) -> None:
-        state = {"port": self.port, "bind": self.bind, "slots": self.slots.owner}
-        tmp = self.run_dir / f"{COORDINATOR_STATE}.tmp"
-        tmp.write_text(json.dumps(state) + "\n")
-        tmp.replace(self.run_dir / COORDINATOR_STATE)
+        """Written whole and renamed, under the lock: machines join on threads of their own."""
+        with self.state_lock:
+            state = {"port": self.port, "bind": self.bind, "slots": list(self.slots.owner)}
+            tmp = self.run_dir / f"{COORDINATOR_STATE}.tmp"
+            tmp.write_text(json.dumps(state) + "\n")
+            tmp.replace(self.run_dir / COORDINATOR_STATE)
 
     def _saved_owners(self) -> list[str | None] | None:
         path = self.run_dir / COORDINATOR_STATE
