@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
 from fgd_corpora import table as corpora_table  # noqa: E402
 from link_probe import table as link_probe_table  # noqa: E402
+from machines import table as machines_table  # noqa: E402
 from netlab_validation import rows as netlab_rows  # noqa: E402
 from time_to_loss import links_table  # noqa: E402
 from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
@@ -738,6 +739,7 @@ TABLES = {
     "time-to-loss-plan": Table(
         "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_plan(f[0])
     ),
+    "machines": Table("docs/multihost.md", ("machines.json",), lambda f: machines_table(f[0])),
     "link-probe": Table(
         "docs/results/netlab.md", ("link_probe.json",), lambda files: link_probe_table(files[0])
     ),
