@@ -10,6 +10,41 @@ import torch
 
 from frugaltrain.config import Config, build_config
 
+# Tests that start processes (gloo workers, launchers, agents, netlab namespaces) and watch real
+# clocks (heartbeats, deadlines): one at a time on one pytest-xdist worker, as in a serial run,
+# while the in-process tests run beside them on the other.
+SERIAL = (
+    "tests/ft/",
+    "tests/flow/test_dist_pool.py",
+    "tests/flow/test_modes.py",
+    "tests/flow/test_pool.py",
+    "tests/data/test_data_cli.py",
+    "tests/forge/test_forge_triton_interpret.py",
+    "tests/sim/test_sim_equality.py",
+    "tests/test_golden.py",
+    "tests/test_hf_models.py",
+    "tests/test_launch_torchrun.py",
+    "tests/test_machines.py",
+    "tests/test_mixing.py",
+    "tests/test_multihost.py",
+    "tests/test_observability.py",
+    "tests/test_outer.py",
+    "tests/test_outer_loop.py",
+    "tests/test_sharding.py",
+    "tests/test_checkpoint.py",
+    "tests/test_diloco.py",
+    "tests/test_plan.py",
+    "tests/test_sparse.py",
+    "tests/test_train_energy.py",
+    "tests/test_train_forge.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
 
 @pytest.fixture(autouse=True)
 def _two_threads():
