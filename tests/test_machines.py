@@ -118,6 +118,8 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
         assert a.wait(60) == 1 and b.wait(60) == 1  # each says where its checkpoints are
         assert "join 127.0.0.1:" in run.output("a") and "--resume" in run.output("a")
         last = run.start_coordinator(resume=True, name="coordinator-3")
+        up = lambda: run.log().count("slots; machines join") == 3  # noqa: E731
+        wait_for(up, "the third coordinator up", procs=[last])
         a = run.join("a", resume=True)
         b = run.join("b", resume=True)
         for p in (a, b, last):

@@ -29,7 +29,6 @@ import tomllib
 import torch.distributed as dist
 
 from frugaltrain.comm.auth import Channel, Refused, connect, read_token
-from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import StoreTunnel
 from frugaltrain.config import Config, ConfigError, build_config, to_dict, to_toml
 from frugaltrain.metrics.log import keep_until_step
@@ -221,7 +220,7 @@ class Agent:
         cfg, S = self.cfg, self.cfg.run.shards
         timeout = timedelta(seconds=max(60.0, cfg.run.timeout_s))
         store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
-        ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
+        ft_store = supervisor.group0_store(store, cfg)
         ranks = [slot * S + s for slot in self.slots for s in range(S)]
         ctx = mp.get_context("spawn")
         args = (to_toml(cfg), str(self.run_dir), "127.0.0.1", self.tunnel.port)
@@ -261,7 +260,7 @@ class Agent:
 
     def _ping(self, finished: list[int], leaving: bool) -> None:
         """Alive, with the new metrics lines and the finished slots; CoordinatorLost if the
-        coordinator does not answer within LEASE_S (or answers from a new session)."""
+        coordinator does not answer within LEASE_S (or answers with a bad MAC)."""
         lines, upto = self._new_metrics()
         msg = {"ping": True, "metrics": lines, "finished": finished}
         if leaving:

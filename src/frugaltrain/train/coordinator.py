@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from frugaltrain.comm import rendezvous
 from frugaltrain.comm.auth import Channel, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.metrics.log import keep_until_step
+from frugaltrain.train.supervisor import close_rendezvous, group0_store
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
 # dead peer within seconds (gloo errors, heartbeats). The lease only frees the slots for the next
@@ -83,10 +83,6 @@ class Slots:
                 if s not in self.finished:
                     self.owner[s] = None
             return [s for s in gone if s not in self.finished]
-
-    def free(self) -> list[int]:
-        with self.lock:
-            return [s for s, o in enumerate(self.owner) if o is None and s not in self.finished]
 
     def finish(self, slots: list[int]) -> None:
         with self.lock:
@@ -174,12 +170,8 @@ class Coordinator:
             missing = [s for s, o in enumerate(self.slots.owner) if o not in self.reports]
             if not missing:
                 break
-            channel.send({"wait": f"resuming: the machines of slots {missing} are not back"})
-            try:
-                channel.recv(timeout_s=LEASE_S)
-            except (ConnectionError, OSError, TimeoutError):
+            if not self._hold(channel, f"resuming: the machines of slots {missing} are not back"):
                 return None
-            time.sleep(PING_S)
         common = set.intersection(*(set(self.reports[o]) for o in owners))
         if not common:
             channel.send({"error": "no checkpoint round that every slot's machine holds"})
@@ -202,14 +194,20 @@ class Coordinator:
             slots = self.slots.claim(machine.id, n)
             if slots:
                 return slots
-            channel.send({"wait": f"all {self.cfg.run.workers} slots are taken"})
-            try:  # its pings keep the wait alive; a silent one is dropped
-                channel.recv(timeout_s=LEASE_S)
-            except (ConnectionError, OSError, TimeoutError):
+            if not self._hold(channel, f"all {self.cfg.run.workers} slots are taken"):
                 return []
-            time.sleep(PING_S)
         channel.send({"over": "the run has ended"})
         return []
+
+    def _hold(self, channel: Channel, why: str) -> bool:
+        """Tell a waiting machine why and hear its ping (a silent one is dropped: False)."""
+        channel.send({"wait": why})
+        try:
+            channel.recv(timeout_s=LEASE_S)
+        except (ConnectionError, OSError, TimeoutError):
+            return False
+        time.sleep(PING_S)
+        return True
 
     def _follow(self, machine: Machine, channel: Channel) -> None:
         """The machine's pings (with its metrics lines and finished slots) until it leaves; a
@@ -229,7 +227,7 @@ class Coordinator:
             self._append_metrics(msg.get("metrics", []))
             if msg.get("finished"):
                 self.slots.finish(msg["finished"])
-            channel.send({"ok": True, "done": self._run_over()})
+            channel.send({"ok": True, "done": self.done.is_set()})  # wait() keeps it
             if msg.get("leaving"):
                 self.say(f"machine {machine.name} finished its slots {machine.slots}")
                 return
@@ -257,15 +255,12 @@ class Coordinator:
         """Whether training is over: the members of some worker's last epoch have all
         finished. Then the rendezvous closes (a process still waiting to join exits)."""
         if not self.done.is_set() and self._training_over():
-            for s in range(self.cfg.run.shards):
-                ns = keys.namespace(s, self.cfg.run.shards)
-                rendezvous.close("127.0.0.1", self.store.port, self.cfg.run.workers, ns)
+            close_rendezvous("127.0.0.1", self.store.port, self.cfg)
             self.done.set()
         return self.done.is_set()
 
     def _training_over(self) -> bool:
-        S = self.cfg.run.shards
-        store = dist.PrefixStore(keys.namespace(0, S), self.store) if S > 1 else self.store
+        store = group0_store(self.store, self.cfg)
         if not store.check([keys.DONE]):
             return False
         for r in range(self.cfg.run.workers):

@@ -75,6 +75,19 @@ def environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def group0_store(store: dist.Store, cfg: Config) -> dist.Store:
+    """Shard group 0's fault-tolerant world in the run's store: where the run's end is kept."""
+    S = cfg.run.shards
+    return dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
+
+
+def close_rendezvous(host: str, port: int, cfg: Config) -> None:
+    """Close every shard group's rendezvous: training is over, a process still waiting to
+    join exits."""
+    for s in range(cfg.run.shards):
+        rendezvous.close(host, port, cfg.run.workers, keys.namespace(s, cfg.run.shards))
+
+
 def backend(cfg: Config) -> str:
     if cfg.run.backend != "auto":
         return cfg.run.backend
@@ -92,7 +105,7 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
     store = dist.TCPStore(
         host, 0, W * S, is_master=True, wait_for_workers=False, timeout=_store_timeout(cfg)
     )
-    ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store  # shard group 0's
+    ft_store = group0_store(store, cfg)
     ctx = mp.get_context("spawn")
     args = (to_toml(cfg), str(run_dir), host, store.port, str(resume_from) if resume_from else None)
     procs: dict[int, mp.Process] = {}
@@ -183,12 +196,10 @@ def _stop_stragglers_at_the_end(procs, finished, store, host: str, cfg: Config) 
     came back."""
     W, S = cfg.run.workers, cfg.run.shards
     done = {r for r in range(W) if all(r * S + s in finished for s in range(S))}
-    ft_store = dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
-    final = _final_members(ft_store, done)
+    final = _final_members(group0_store(store, cfg), done)
     if final is None:
         return
-    for s in range(S):
-        rendezvous.close(host, store.port, W, keys.namespace(s, S))
+    close_rendezvous(host, store.port, cfg)
     _join_for(procs, finished, seconds=3.0)
     for rank, p in procs.items():
         if rank not in finished and rank // S not in final and p.is_alive():
