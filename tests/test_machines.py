@@ -15,7 +15,7 @@ from frugaltrain.comm.auth import new_token
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import checkpoint, launch
 
-WAIT_S = 10  # fault_tolerance.coordinator_wait_s: longer than the coordinator takes to start
+WAIT_S = 15  # fault_tolerance.coordinator_wait_s: longer than the coordinator takes to start
 SETS = (
     "run.workers=2",
     "run.steps=240",  # 60 rounds of H = 4
@@ -93,7 +93,8 @@ def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(
 def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_path, reference):
     """Killed and restarted at once: the machines wait and go on. Killed again and left away
     past fault_tolerance.coordinator_wait_s: each machine exits with one line naming its
-    checkpoints; `coordinator --resume` and `join --resume` everywhere go on. Every round is
+    checkpoints; `coordinator --resume` and `join --resume` everywhere go on (one machine's
+    before the coordinator is back: it keeps trying). Every round is
     logged once, and the end equals the uninterrupted run bit for bit."""
     sets = (*SETS, f"fault_tolerance.coordinator_wait_s={WAIT_S}")
     run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
@@ -117,10 +118,11 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
         kill(again)  # and it stays away
         assert a.wait(60) == 1 and b.wait(60) == 1  # each says where its checkpoints are
         assert "join 127.0.0.1:" in run.output("a") and "--resume" in run.output("a")
+        a = run.join("a", resume=True)  # before the coordinator: it tries until it is back
+        wait_for(lambda: "no coordinator at" in run.output("a-again"), "a trying", procs=[a])
         last = run.start_coordinator(resume=True, name="coordinator-3")
         up = lambda: run.log().count("slots; machines join") == 3  # noqa: E731
         wait_for(up, "the third coordinator up", procs=[last])
-        a = run.join("a", resume=True)
         b = run.join("b", resume=True)
         for p in (a, b, last):
             assert p.wait(240) == 0, p.args

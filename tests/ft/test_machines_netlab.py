@@ -1,12 +1,13 @@
 """Machines that come and go, each a netlab namespace with its own address and shaped link: the
 coordinator in one, a `join` agent in each of the others. Root only (namespaces and tc).
 
-One run, three events: a machine is killed whole (every process of its namespace): the others
-go on without restarting anything, and the coordinator frees its slot; a new machine joins
-into that slot and is admitted at a round end with its donor's state (equal digests); then a
-machine is cut off (its link down) until the coordinator frees its slot, and once its link is
-back it joins again and rejoins from a live peer. Every round is logged once, with the members
-the changes before it left.
+One run, three events: the machine holding slot 0 (the source of the run's log) is killed
+whole (every process of its namespace): the others go on without restarting anything, the
+coordinator frees its slot and logs from the next machine; a new machine joins into that slot
+and is admitted at a round end with its donor's state (equal digests); then a machine is cut
+off (its link down) until the coordinator frees its slot, and once its link is back it joins
+again and rejoins from a live peer. Every round is logged once, with the members the changes
+before it left.
 """
 
 from __future__ import annotations
@@ -53,29 +54,31 @@ def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
             coord = run.start_coordinator(prefix=machine(lab, 0))
             wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
             agents = {}
-            for i, name in ((1, "a"), (2, "b"), (3, "doomed")):
+            for i, name in ((1, "doomed"), (2, "a"), (3, "b")):
                 agents[name] = run.join(name, prefix=machine(lab, i), host=lab.addr(0))
                 line = f"joined: slots [{i - 1}]"
                 wait_for(lambda line=line: line in run.log(), f"{name} joined", procs=[coord])
             wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord])
-            lab.kill(3)  # a machine lost whole
-            wait_for(lambda: "lost (connection closed)" in run.log(), "slot 2 freed", procs=[coord])
+            lab.kill(1)  # a machine lost whole
+            wait_for(lambda: "lost (connection closed)" in run.log(), "slot 0 freed", procs=[coord])
+            at = rounds_logged(run)
+            wait_for(lambda: rounds_logged(run) >= at + 2, "2 rounds without it", procs=[coord])
             agents["late"] = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
-            wait_for(lambda: run.log().count("joined: slots [2]") == 2, "late in", procs=[coord])
+            wait_for(lambda: run.log().count("joined: slots [0]") == 2, "late in", procs=[coord])
             at = rounds_logged(run)
             wait_for(lambda: rounds_logged(run) >= at + 3, "3 rounds with it", procs=[coord])
-            lab.set_link(2, up=False)  # machine b cut off
-            wait_for(lambda: "lost (silent)" in run.log(), "slot 1 freed", procs=[coord])
-            lab.set_link(2, up=True)
-            wait_for(lambda: run.log().count("joined: slots [1]") == 2, "b back", procs=[coord])
+            lab.set_link(3, up=False)  # machine b cut off
+            wait_for(lambda: "lost (silent)" in run.log(), "slot 2 freed", procs=[coord])
+            lab.set_link(3, up=True)
+            wait_for(lambda: run.log().count("joined: slots [2]") == 2, "b back", procs=[coord])
             for name in ("a", "b", "late"):
                 assert agents[name].wait(300) == 0, name
             assert coord.wait(60) == 0
         finally:
             run.close()
     log = run.log()
-    assert "lost (connection closed): slots [2] are free" in log, log
-    assert "lost (silent): slots [1] are free" in log, log
+    assert "lost (connection closed): slots [0] are free" in log, log
+    assert "lost (silent): slots [2] are free" in log, log
     for name in ("a", "late"):  # the machines that were never cut off restarted nothing
         assert "restarting" not in run.output(name), run.output(name)
 
@@ -87,5 +90,5 @@ def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
     left = [e for e in events if "reason" in e]
     assert len(left) == 2 and all(detected_by(e["reason"]) != "run.timeout_s" for e in left)
     rejoined = [(e["worker"], e["match"]) for e in events if e["event"] == "rejoined"]
-    assert rejoined == [(2, True), (1, True)], rejoined
+    assert rejoined == [(0, True), (2, True)], rejoined
     assert rounds[-1]["ft/members"] == 3  # all three slots trained together again

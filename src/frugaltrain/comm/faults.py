@@ -115,5 +115,8 @@ class FaultyRuntime(Runtime):
     def rejoin(self, load: Callable[[dict], None], state_fn: StateFn) -> bool:
         return self.runtime.rejoin(load, state_fn)
 
+    def writes_metrics(self, worker: int, shard: int) -> bool:
+        return self.runtime.writes_metrics(worker, shard)
+
     def writes_markers(self, local_rank: int) -> bool:
         return self.runtime.writes_markers(local_rank)

@@ -129,6 +129,11 @@ class Runtime:
         """On a restarted worker: take a live peer's state through `load`. False: first start."""
         return False
 
+    def writes_metrics(self, worker: int, shard: int) -> bool:
+        """Whether this process writes the run's metrics log and shows progress: worker 0's
+        first shard."""
+        return worker == 0 and shard == 0
+
     def writes_markers(self, local_rank: int) -> bool:
         """Whether this worker writes the COMPLETE marker of a checkpoint: one per machine (its
         workers' files are there, so a machine without a shared file system can resume)."""

@@ -8,8 +8,9 @@ processes reach the run's store through a local forwarder over the authenticated
 
 It restarts only its own processes: a dead one is started again under the same slot and rejoins
 from a live peer at a round end (comm/ft/admission.py); the other machines restart nothing.
-Every PING_S it tells the coordinator it is alive, with the new lines of its metrics.jsonl (the
-machine that holds slot 0 writes them) and the slots that finished. It leaves once all its
+Every PING_S it tells the coordinator it is alive, with the new lines of its metrics.jsonl (written
+by its lowest slot's worker; the coordinator merges the machines' logs, train/metrics_relay.py)
+and the slots that finished. It leaves once all its
 slots have finished, or the run has ended without them.
 """
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from frugaltrain.comm.auth import Channel, Refused, connect, read_token
 from frugaltrain.comm.gateway import StoreTunnel
-from frugaltrain.config import Config, ConfigError, build_config, to_dict, to_toml
+from frugaltrain.config import Config, ConfigError, build_config, read_toml, to_dict, to_toml
 from frugaltrain.metrics.log import keep_until_step
 from frugaltrain.train import checkpoint, supervisor
 from frugaltrain.train.coordinator import LEASE_S, PING_S
@@ -288,6 +289,27 @@ class Agent:
         return lines, self.metrics_at + end
 
 
+def _join_when_back(agent: Agent, run_dir: Path) -> dict | None:
+    """`join --resume`: the coordinator may not be back yet, so try every PING_S for the run's
+    fault_tolerance.coordinator_wait_s before giving up with one line."""
+    cfg = build_config(Config, read_toml(run_dir / "config.toml"))
+    wait_s, t0, said = cfg.fault_tolerance.coordinator_wait_s, time.monotonic(), False
+    while True:
+        try:
+            return agent.join()
+        except (ConnectionError, TimeoutError) as e:  # refused or reset: not up yet
+            if time.monotonic() - t0 >= wait_s:
+                raise ConnectionError(
+                    f"no coordinator at {agent.address} within {wait_s:g} s "
+                    f"(fault_tolerance.coordinator_wait_s): {short(e)}; start `frugaltrain "
+                    "coordinator --resume RUN_DIR` there, then join again"
+                ) from e
+            if not said:
+                print(f"[agent] no coordinator at {agent.address} yet; trying again", flush=True)
+                said = True
+            time.sleep(PING_S)
+
+
 def short(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:160]
 
@@ -310,7 +332,7 @@ def run_join(
             "had in the run (its --run-dir)"
         )
     agent = Agent(address, read_token(token_path), workers, resume or run_dir, bool(resume))
-    msg = agent.join()
+    msg = _join_when_back(agent, Path(resume)) if resume else agent.join()
     code = 0 if msg is None else agent.run(msg)
     sys.stdout.flush()
     return code

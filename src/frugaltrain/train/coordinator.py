@@ -7,8 +7,9 @@ It trains nothing. It holds the run's config and run directory, hosts the run's 
 TCPStore the fault-tolerant runtime's rendezvous lives on) on the loopback interface only, and
 listens on `--bind`:`--port` behind the run token (comm/gateway.py): a machine that proves the
 token gets the config and free slots, and its processes reach the store through that channel;
-nothing else reaches the store. It writes the run's metrics.jsonl (the lines the machine that
-holds slot 0 sends) and, at the end, its summary.
+nothing else reaches the store. It writes the run's metrics.jsonl from the lines the machines
+relay (train/metrics_relay.py: one machine is the source, and the next takes over when it is
+lost) and, at the end, its summary.
 
 Slots, not ranks: a run has run.workers slots (a worker's rank: its data stream and its name
 in the logs). `join` claims free slots for a machine; a machine whose control channel goes
@@ -34,7 +35,7 @@ from frugaltrain.comm.auth import Channel, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
-from frugaltrain.metrics.log import keep_until_step
+from frugaltrain.train.metrics_relay import MetricsRelay
 from frugaltrain.train.supervisor import close_rendezvous, group0_store
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
@@ -88,6 +89,11 @@ class Slots:
         with self.lock:
             self.finished.update(slots)
 
+    def holders(self) -> list[str]:
+        """The machines holding slots, the one with the lowest slot first."""
+        with self.lock:
+            return list(dict.fromkeys(o for o in self.owner if o is not None))
+
 
 class Coordinator:
     """See the module docstring. `start` opens the store and the gateway; `wait` returns when
@@ -110,7 +116,7 @@ class Coordinator:
         self.log_lock, self.state_lock = threading.Lock(), threading.Lock()
         self.done = threading.Event()
         self.connected = 0  # machines whose control channel is open
-        self.last_steps: dict[str, int] | None = None  # newest step per record kind written
+        self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
 
     def start(self) -> Coordinator:
         timeout = timedelta(seconds=max(60.0, self.cfg.run.timeout_s))
@@ -177,9 +183,7 @@ class Coordinator:
             channel.send({"error": "no checkpoint round that every slot's machine holds"})
             return None
         r = max(common)
-        with self.log_lock:  # the rounds after it are trained and logged again
-            keep_until_step(self.run_dir / "metrics.jsonl", self.reports[machine.id][r])
-            self.last_steps = None
+        self.metrics.cut(self.reports[machine.id][r])  # the rounds after it are logged again
         return r
 
     def _machine(self, request: dict, peer: str) -> Machine:
@@ -224,32 +228,13 @@ class Coordinator:
                     why = "silent" if isinstance(e, TimeoutError) else "connection closed"
                     self.say(f"machine {machine.name} lost ({why}): slots {freed} are free")
                 return
-            self._append_metrics(msg.get("metrics", []))
+            self.metrics.add(machine.id, msg.get("metrics", []), self.slots.holders())
             if msg.get("finished"):
                 self.slots.finish(msg["finished"])
             channel.send({"ok": True, "done": self.done.is_set()})  # wait() keeps it
             if msg.get("leaving"):
                 self.say(f"machine {machine.name} finished its slots {machine.slots}")
                 return
-
-    def _append_metrics(self, lines: list[str]) -> None:
-        """Append the relayed lines; a step or round record at or before the newest of its
-        kind already written was sent before (a machine whose acknowledgement was lost sends
-        it again) and is skipped, so every round is logged once."""
-        if not lines:
-            return
-        path = self.run_dir / "metrics.jsonl"
-        with self.log_lock, open(path, "a") as f:
-            if self.last_steps is None:
-                self.last_steps = last_steps(path)
-            for line in lines:
-                rec = json.loads(line)  # a line that is not one JSON record ends this channel
-                kind, step = rec.get("kind"), rec.get("step")
-                if step is not None:
-                    if step <= self.last_steps.get(kind, -1):
-                        continue
-                    self.last_steps[kind] = step
-                f.write(line.rstrip("\n") + "\n")
 
     def _run_over(self) -> bool:
         """Whether training is over: the members of some worker's last epoch have all
@@ -293,17 +278,6 @@ class Coordinator:
     def _saved_owners(self) -> list[str | None] | None:
         path = self.run_dir / COORDINATOR_STATE
         return json.loads(path.read_text())["slots"] if path.is_file() else None
-
-
-def last_steps(path: Path) -> dict[str, int]:
-    """The newest step of each kind of record in a metrics log."""
-    out: dict[str, int] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else {}
-            if rec.get("step") is not None:
-                out[rec["kind"]] = max(out.get(rec["kind"], -1), rec["step"])
-    return out
 
 
 def coordinator_config(config_path: str | None, overrides: list[str], resume: str | None):

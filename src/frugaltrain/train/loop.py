@@ -84,11 +84,6 @@ class Place:
     rank: int
     local_rank: int
 
-    @property
-    def is_main(self) -> bool:
-        """Worker 0's first process: it writes the metrics and shows progress."""
-        return self.worker == 0 and self.shard == 0
-
 
 def place_of(comm: Comm, shards: Shards | None, shards_per_worker: int) -> Place:
     shard = shards.index if shards else 0
@@ -253,7 +248,7 @@ def close_round(
     joining worker takes its state from."""
 
     def close(end: RoundEnd) -> StateFn:
-        if w.place.is_main:
+        if log.enabled:
             record.update(end.fields)
         # This round's rejections (and failures) are counted in its own record.
         log.events([{"round": w.round, **e} for e in end.events])
@@ -493,21 +488,21 @@ def save_sharded_checkpoint(w: Worker, run_dir: Path) -> None:
 
 
 def _round_log(cfg: Config, w: Worker, run_dir: Path, resumed: bool) -> RoundLog:
-    is_main = w.place.is_main
+    writes = w.runtime.writes_metrics(w.place.worker, w.place.shard)
     bar = None
-    if is_main and cfg.run.progress:
+    if writes and cfg.run.progress:
         from tqdm import tqdm
 
         desc = f"{cfg.outer.strategy} x{w.comm.world_size}"
         bar = tqdm(total=cfg.run.steps, initial=w.step, desc=desc, unit="step", leave=False)
     return RoundLog(
         run_dir / "metrics.jsonl",
-        enabled=is_main,
+        enabled=writes,
         resumed_at=w.step if resumed else None,
         workers=w.comm.world_size,
         bar=bar,
         ops=blocking_ops(cfg),
-        sinks=open_sinks(cfg, run_dir) if is_main else None,
+        sinks=open_sinks(cfg, run_dir) if writes else None,
     )
 
 

@@ -1,4 +1,5 @@
-"""Worker 0's metrics log of a run: step records, round records completed with every worker's
+"""The metrics log of a run, written by worker 0 (across machines, each machine's first worker:
+Runtime.writes_metrics): step records, round records completed with every worker's
 means, membership events, and the progress bar.
 
 A round's record needs the workers' means of a few scalars (loss, compute and blocking seconds,
@@ -7,7 +8,7 @@ operation), `RoundScalars`. They are posted without waiting (the runtime's round
 comm/runtime.py) and the record is
 written once they are in: under the fault-tolerant runtime once every member has posted (a
 straggler never holds a worker back), else once the next round has started. A checkpoint or the
-end waits for all of them. Every worker keeps a RoundLog; only worker 0's writes.
+end waits for all of them. Every worker keeps a RoundLog; only the writer's writes.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class RoundLog:
         self._events: list[dict] = []  # since the last round record: counted in the next one
         self._steps: list[tuple[int, float, float]] = []
         self._pending: deque[tuple[dict, Callable[[], list[float]], bool]] = deque()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this process writes the log (Runtime.writes_metrics)."""
+        return self.log.enabled
 
     def step(self, step: int, loss: float, lr: float) -> None:
         """Buffer a step record (written at the round end: no per-step file write)."""

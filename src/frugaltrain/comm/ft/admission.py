@@ -50,18 +50,25 @@ class Admission:
     of `mix1` and `means`, so the joiner posts what the members post next."""
 
     def __init__(
-        self, oplog: OpLog, mix1: Mix1, means: StoreMeans, shard_link: ShardLink | None
+        self,
+        oplog: OpLog,
+        mix1: Mix1,
+        means: StoreMeans,
+        shard_link: ShardLink | None,
+        logs: bool,
     ) -> None:
+        """`logs`: this worker writes a metrics log (Runtime.writes_metrics), so it collects
+        the joiners' own records."""
         self.world, self.oplog, self.mix1, self.means = oplog.world, oplog, mix1, means
-        self.shard_link = shard_link
-        self._records_due: list[str] = []  # joiners' records, for worker 0's log
+        self.shard_link, self.logs = shard_link, logs
+        self._records_due: list[str] = []  # joiners' records, for the metrics log
 
     # ---- the members' side
     def at_round_end(self, round_idx: int, state_fn: Callable[[], dict]) -> None:
         """Admit restarted workers (same decision on every member) and send them this
         worker's state if it is the donor."""
         world = self.world
-        if world.rank == 0:  # the joiners' own records, set before they took part in this round
+        if self.logs:  # the joiners' own records, set before they took part in this round
             for key in [k for k in self._records_due if world.has(k)]:
                 world.add_record(json.loads(world.store.get(key)))
                 self._records_due.remove(key)

@@ -36,7 +36,8 @@ class ElasticRuntime(Runtime):
         self.world, self.oplog = comm.world, comm.oplog
         self.min_workers, self.local = min_workers, set(local) if local is not None else None
         self.means = StoreMeans(comm.oplog)
-        self.admission = Admission(comm.oplog, comm.mix1, self.means, comm.shard_link)
+        logs = self.writes_metrics(comm.rank, 0)  # in every shard group: its own joiners
+        self.admission = Admission(comm.oplog, comm.mix1, self.means, comm.shard_link, logs)
 
     @property
     def round(self) -> int:
@@ -49,6 +50,14 @@ class ElasticRuntime(Runtime):
 
     def rejoin(self, load: Callable[[dict], None], state_fn: StateFn) -> bool:
         return self.admission.rejoin(load, state_fn)
+
+    def writes_metrics(self, worker: int, shard: int) -> bool:
+        """Across machines, each machine's lowest slot writes its machine's log (the
+        coordinator merges them, train/metrics_relay.py), so a lost machine takes no rounds of
+        the log with it."""
+        if self.local is None:
+            return super().writes_metrics(worker, shard)
+        return worker == min(self.local) and shard == 0
 
     def writes_markers(self, local_rank: int) -> bool:
         """The lowest live member (of those on this machine, when the run spans machines)."""

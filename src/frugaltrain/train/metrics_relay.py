@@ -1,0 +1,101 @@
+"""The run's metrics.jsonl on the coordinator, from the lines every machine relays.
+
+Each machine's first worker writes its machine's metrics.jsonl (Runtime.writes_metrics) and its
+agent relays the new lines (train/agent.py). The machines' step records differ (each holds its
+own worker's training loss); their round and membership records say the same thing. So one
+machine is the source: the one holding the lowest slot when the first lines come, and it stays
+the source until it is lost (a joiner in a lower slot does not take over, so no record falls
+between two sources). The others' lines are kept in reserve from the newest record written on;
+when the source is lost, the machine holding the lowest slot among the rest takes over from
+there. A record without a step (membership) that is already in the log is not written again.
+Every round is logged once, in order, whatever machines come and go.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from frugaltrain.metrics.log import keep_until_step
+
+
+class MetricsRelay:
+    """Appends relayed lines to `path`; all its methods share one lock (each machine's channel
+    is a thread of its own)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.source: str | None = None
+        self.newest: dict[str, int] | None = None  # newest step per record kind written
+        self.seen: set[str] = set()  # the records without a step written (their identity)
+        self.reserve: dict[str, list[tuple[dict, str]]] = {}  # machine -> its unwritten lines
+
+    def add(self, machine: str, lines: list[str], holders: list[str]) -> None:
+        """`machine`'s new lines; `holders`: the machines holding slots, the lowest slot's
+        first. A line that is not one JSON record raises ValueError (the channel that sent it
+        ends). A record already written (a machine whose acknowledgement was lost sends it
+        again) is dropped."""
+        with self.lock:
+            if self.newest is None:
+                self.newest, self.seen = _written(self.path)
+            self.reserve.setdefault(machine, []).extend((json.loads(x), x) for x in lines)
+            if self.source not in holders:
+                self.source = holders[0] if holders else machine
+            out = [
+                x for rec, line in self.reserve.pop(self.source, []) for x in self._take(rec, line)
+            ]
+            self._drop_written()
+            if out:
+                with open(self.path, "a") as f:
+                    f.writelines(x.rstrip("\n") + "\n" for x in out)
+
+    def cut(self, step: int) -> None:
+        """Keep the records up to `step` (a resumed run logs the rounds after it again)."""
+        with self.lock:
+            keep_until_step(self.path, step)
+            self.newest, self.reserve = None, {}
+
+    def _take(self, rec: dict, line: str) -> list[str]:
+        step = rec.get("step")
+        if step is None:
+            if _identity(rec) in self.seen:
+                return []
+            self.seen.add(_identity(rec))
+            return [line]
+        if step <= self.newest.get(rec.get("kind"), -1):
+            return []
+        self.newest[rec.get("kind")] = step
+        return [line]
+
+    def _drop_written(self) -> None:
+        """Drop each reserve's lines up to its last record already written (the records without
+        a step among them too: the source wrote its own view of those)."""
+        for machine, lines in self.reserve.items():
+            last = -1
+            for i, (rec, _) in enumerate(lines):
+                step = rec.get("step")
+                if step is not None and step <= self.newest.get(rec.get("kind"), -1):
+                    last = i
+            self.reserve[machine] = lines[last + 1 :]
+
+
+def _identity(rec: dict) -> str:
+    """A record without a step, as every machine writes it (the reason a change was found
+    differs between the machines that found it)."""
+    return json.dumps({k: v for k, v in rec.items() if k != "reason"}, sort_keys=True)
+
+
+def _written(path: Path) -> tuple[dict[str, int], set[str]]:
+    """The newest step of each kind of record in a metrics log, and its records without one."""
+    newest: dict[str, int] = {}
+    seen: set[str] = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if rec.get("step") is not None:
+                newest[rec["kind"]] = max(newest.get(rec["kind"], -1), rec["step"])
+            elif rec:
+                seen.add(_identity(rec))
+    return newest, seen

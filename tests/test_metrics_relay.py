@@ -1,0 +1,98 @@
+"""The coordinator's metrics log from the machines' relayed lines (train/metrics_relay.py): one
+source until it is lost, then the next from its reserve; every record written once, in order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frugaltrain.metrics.log import read_metrics
+from frugaltrain.train.metrics_relay import MetricsRelay
+
+H = 4
+
+
+def lines(machine: str, first: int, last: int, event_after: int | None = None) -> list[str]:
+    """Machine `machine`'s log from step `first` to `last`: step records carrying its name,
+    a round record every H steps, a membership record after step `event_after`."""
+    out = []
+    for s in range(first, last + 1):
+        out.append({"kind": "step", "step": s, "by": machine})
+        if s % H == 0:
+            out.append({"kind": "round", "round": s // H, "step": s, "by": machine})
+        if s == event_after:
+            out.append({"kind": "membership", "event": "left", "round": s // H, "by": machine})
+    return [json.dumps(r) for r in out]
+
+
+def written(path) -> tuple[list[tuple[int, str]], list[int], list[dict]]:
+    recs = read_metrics(path)
+    steps = [(r["step"], r["by"]) for r in recs if r["kind"] == "step"]
+    rounds = [r["round"] for r in recs if r["kind"] == "round"]
+    return steps, rounds, [r for r in recs if r["kind"] == "membership"]
+
+
+def test_the_next_machine_goes_on_when_the_source_is_lost(tmp_path):
+    relay = MetricsRelay(tmp_path / "metrics.jsonl")
+    relay.add("A", lines("A", 1, 8), ["A", "B"])
+    relay.add("B", lines("B", 1, 8), ["A", "B"])  # in reserve: A wrote these
+    relay.add("A", lines("A", 9, 12), ["A", "B"])
+    relay.add("B", lines("B", 9, 16), ["B"])  # A lost: B's slot is now the lowest
+    steps, rounds, _ = written(tmp_path / "metrics.jsonl")
+    assert steps == [(s, "A") for s in range(1, 13)] + [(s, "B") for s in range(13, 17)]
+    assert rounds == [1, 2, 3, 4]
+
+
+def test_a_joiner_in_a_lower_slot_does_not_take_over(tmp_path):
+    relay = MetricsRelay(tmp_path / "metrics.jsonl")
+    relay.add("B", lines("B", 1, 8), ["B"])  # slot 0's machine was lost
+    relay.add("C", lines("C", 13, 16, event_after=13), ["C", "B"])  # took slot 0 at round 3
+    relay.add("B", lines("B", 9, 16), ["C", "B"])
+    steps, rounds, events = written(tmp_path / "metrics.jsonl")
+    assert steps == [(s, "B") for s in range(1, 17)]
+    assert rounds == [1, 2, 3, 4] and events == []
+
+
+def test_resent_lines_and_the_reserves_records_are_written_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    relay = MetricsRelay(path)
+    relay.add("A", lines("A", 1, 8, event_after=6), ["A", "B"])
+    relay.add("A", lines("A", 1, 8, event_after=6), ["A", "B"])  # its acknowledgement was lost
+    relay.add("B", lines("B", 1, 7, event_after=6), ["A", "B"])
+    relay.add("B", lines("B", 8, 12), ["B"])  # A lost after step 8
+    steps, rounds, events = written(path)
+    assert [s for s, _ in steps] == list(range(1, 13))
+    assert rounds == [1, 2, 3]
+    assert [e["by"] for e in events] == ["A"]  # B's record of the same change is not repeated
+
+
+def test_a_change_the_lost_source_logged_last_is_not_repeated_by_the_next(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    relay = MetricsRelay(path)
+    event = {"kind": "membership", "event": "left", "round": 2, "epoch": 3, "members": [1, 2]}
+    relay.add("A", [*lines("A", 1, 8), json.dumps({**event, "reason": "gloo error"})], ["A", "B"])
+    relay.add("B", [*lines("B", 1, 8), json.dumps({**event, "reason": "heartbeat"})], ["A", "B"])
+    relay.add("B", lines("B", 9, 12), ["B"])  # A lost
+    steps, rounds, events = written(path)
+    assert [s for s, _ in steps] == list(range(1, 13)) and rounds == [1, 2, 3]
+    assert [e["reason"] for e in events] == ["gloo error"]
+    relay = MetricsRelay(path)  # a coordinator restarted on the same file
+    relay.add("B", lines("B", 10, 16), ["B"])
+    assert [s for s, _ in written(path)[0]] == list(range(1, 17))
+
+
+def test_cut_keeps_the_rounds_up_to_a_checkpoint_and_logs_the_rest_again(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    relay = MetricsRelay(path)
+    relay.add("A", lines("A", 1, 12), ["A"])
+    relay.cut(8)
+    relay.add("A", lines("A", 9, 12), ["A"])
+    steps, rounds, _ = written(path)
+    assert [s for s, _ in steps] == list(range(1, 13)) and rounds == [1, 2, 3]
+
+
+def test_a_line_that_is_not_a_record_is_refused(tmp_path):
+    relay = MetricsRelay(tmp_path / "metrics.jsonl")
+    with pytest.raises(ValueError):
+        relay.add("A", ["not json"], ["A"])
