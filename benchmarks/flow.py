@@ -42,7 +42,7 @@ from frugaltrain.flow.alloc import even_split, profile, solve_milp
 from frugaltrain.flow.config import FlowConfig, load_flow_config
 from frugaltrain.flow.data import build_dataset
 from frugaltrain.flow.packing import BatchPlan
-from frugaltrain.flow.plan import collapsed_speedups, cost_fit
+from frugaltrain.flow.plan import cost_fit, implausible_speedups
 from frugaltrain.flow.runtime import make_plans, min_slots, run
 from frugaltrain.flow.samples import CaptionSet
 from frugaltrain.flow.sim import charge_calls, simulate, simulate_monolithic
@@ -256,7 +256,7 @@ def _prediction(rho: dict, P: int, C: int) -> dict:
         "predicted.flow_samples_per_s": flow,
         f"predicted.{BASELINE}_samples_per_s": dp,
         "predicted.flow_over_baseline": flow / dp,
-        "warnings": collapsed_speedups(rho),
+        "warnings": implausible_speedups(rho),
     }
 
 

@@ -320,10 +320,11 @@ def table(summ: dict[str, dict]) -> str:
     ]
     for row, s in summ.items():
         (m, lo, hi), (r, rlo, rhi) = s["samples_per_s"], s["over_reference"]
+        wall = s.get("wall_minus_calls_s")
         lines.append(
             f"| {row} | {m:.1f} ({lo:.1f}-{hi:.1f}) | {r:.2f} ({rlo:.2f}-{rhi:.2f}) "
             f"| {s['gflop_per_s']:.1f} | {s['gc_s']:.3f} "
-            f"| {1e3 * s.get('wall_minus_calls_s', float('nan')):.2f} |"
+            f"| {'-' if wall is None else f'{1e3 * wall:.2f}'} |"
         )
     return "\n".join(lines)
 

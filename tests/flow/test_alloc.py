@@ -63,17 +63,32 @@ def test_even_split_uses_the_profiled_thread_counts() -> None:
         even_split(rho, 3)
 
 
-def test_plan_warns_when_more_threads_measured_slower(monkeypatch) -> None:
-    """A 2-thread replica slower than a 1-thread one (a busy machine): the plan's predictions
-    will not hold, and `flow plan` says so."""
+def _plan_on(rho: dict, monkeypatch):
+    """`flow plan` on a profile with these rates (and a backbone cost fit that works)."""
     from frugaltrain.flow import load_flow_config, plan
 
     prof = {
-        "rho": {"encoder": {1: 100.0, 2: 40.0}, "backbone": {1: 80.0, 2: 150.0}},
+        "rho": rho,
         "bins": [[10 + i, 20] for i in range(12)],
         "bin_seconds": [0.01 + 1e-4 * i for i in range(12)],
     }
     monkeypatch.setattr(plan, "profile", lambda *a: prof)
+    return plan.plan(load_flow_config(None, []))
+
+
+def test_plan_warns_when_more_threads_measured_slower(monkeypatch) -> None:
+    """A 2-thread replica slower than a 1-thread one (a busy machine): the plan's predictions
+    will not hold, and `flow plan` says so."""
+    rho = {"encoder": {1: 100.0, 2: 40.0}, "backbone": {1: 80.0, 2: 150.0}}
     with pytest.warns(UserWarning, match="encoder with 2 threads ran at 0.40x"):
-        out = plan.plan(load_flow_config(None, []))
+        out = _plan_on(rho, monkeypatch)
     assert len(out["warnings"]) == 1  # the backbone sped up: no warning for it
+
+
+def test_plan_warns_when_more_threads_measured_more_than_that_many_times_faster(monkeypatch):
+    """Two threads 3.45x faster than one (the 1-thread pass slowed by a burst of load, as in
+    one of docs/flow.md's runs): the 1-thread rates are not to be trusted, and the plan says so."""
+    rho = {"encoder": {1: 53.4, 2: 184.5}, "backbone": {1: 80.0, 2: 150.0}}
+    with pytest.warns(UserWarning, match="encoder with 2 threads ran at 3.46x .*1-thread pass"):
+        out = _plan_on(rho, monkeypatch)
+    assert len(out["warnings"]) == 1  # the backbone's 1.88x is plausible

@@ -26,12 +26,12 @@ def plan(cfg: FlowConfig) -> dict:
     prof = profile(cfg, cfg.alloc.max_threads, cfg.alloc.profile_steps)
     fit = cost_fit(cfg, prof)
     rho = prof["rho"]
-    collapsed = collapsed_speedups(rho)
-    for note in collapsed:
+    implausible = implausible_speedups(rho)
+    for note in implausible:
         warnings.warn(note, stacklevel=2)
     milp = solve_milp(rho, cfg.alloc.budget, cfg.data.global_batch)
     return {
-        "warnings": collapsed,
+        "warnings": implausible,
         "measured.rho_samples_per_s": rho,
         "measured.cost_fit": {
             "r2": fit.r2,
@@ -48,20 +48,24 @@ def plan(cfg: FlowConfig) -> dict:
     }
 
 
-def collapsed_speedups(rho: dict[str, dict[int, float]]) -> list[str]:
-    """One line per (module, t) whose t-thread replica measured slower than its 1-thread one:
-    the speed-up rho(t) / rho(1) the allocator relies on has collapsed below 1."""
+def implausible_speedups(rho: dict[str, dict[int, float]]) -> list[str]:
+    """One line per (module, t) whose speed-up rho(t) / rho(1), which the allocator relies on,
+    no undisturbed profile gives: below 1 (a t-thread replica slower than a 1-thread one: the
+    machine is contended) or above t (t threads more than t times faster: the 1-thread pass was
+    slowed, by another job or a burst of load)."""
     notes = []
     for module, per_t in rho.items():
         one = per_t.get(1)
         for t, r in sorted(per_t.items()):
-            if one and t > 1 and r < one:
-                notes.append(
-                    f"measured.rho_samples_per_s: the {module} with {t} threads ran at "
-                    f"{r / one:.2f}x its 1-thread rate ({r:.1f} vs {one:.1f} samples/s); the "
-                    "machine is contended, so the plan's predictions will not hold: profile "
-                    "again on idle cores, or set alloc.max_threads = 1"
-                )
+            if not one or t == 1 or 1 <= r / one <= t:
+                continue
+            why = "the machine is contended" if r < one else "its 1-thread pass was slowed"
+            notes.append(
+                f"measured.rho_samples_per_s: the {module} with {t} threads ran at "
+                f"{r / one:.2f}x its 1-thread rate ({r:.1f} vs {one:.1f} samples/s); {why}, "
+                "so the plan's predictions will not hold: profile again on idle cores, or set "
+                "alloc.max_threads = 1"
+            )
     return notes
 
 
