@@ -1,6 +1,10 @@
-"""Markdown tables for docs/results/fgd.md from the runs of docs/results/fgd_experiments.sh.
+"""Tables and plots for docs/results/fgd.md (E1-E4, E7) from the runs of
+docs/results/fgd_experiments.sh, packed into one committed result file.
 
-    python benchmarks/fgd_tables.py runs/fgd [--plots docs/results] > tables.md
+    bash docs/results/fgd_experiments.sh                          # runs/fgd (about 75 min)
+    python benchmarks/fgd_tables.py runs/fgd --pack benchmarks/results/fgd_sim.json
+    python benchmarks/fgd_tables.py benchmarks/results/fgd_sim.json [--plots docs/results]
+    python benchmarks/tables.py                                   # the tables in fgd.md
 
 Utilization, wall-clock and energy figures are simulated (energy: an estimate on the simulated
 clock). Losses are real losses of the real computation on the synthetic Markov source, reported
@@ -11,6 +15,7 @@ evaluation set). Gaps between methods are paired by seed. Cells are mean ± std 
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 import sys
@@ -22,12 +27,22 @@ from frugaltrain.data.markov import markov_source_nll
 from frugaltrain.sim.compare import _ms, _safe
 from frugaltrain.sim.engine import validation_batches
 
+# What the tables and plots read of a run's summary.json; the packed file keeps only these.
+SUMMARY_KEYS = (
+    "loss/val",
+    "util/compute",
+    "time/sim_s",
+    "comm/bytes_sent_per_worker",
+    "consensus/total",
+    "faults",
+)
+
 
 @dataclass
 class Run:
     seed: int
     summary: dict
-    records: list[dict]
+    records: list[dict]  # the evaluations: time/sim_s and loss/val
     source_nll: float  # the Markov source's own loss on this run's validation batches
 
     @property
@@ -37,7 +52,7 @@ class Run:
     def time_to(self, excess: float) -> float | None:
         """First simulated second at which the paired excess is <= `excess` (None: never)."""
         for r in self.records:
-            if "loss/val" in r and r["loss/val"] - self.source_nll <= excess:
+            if r["loss/val"] - self.source_nll <= excess:
                 return r["time/sim_s"]
         return None
 
@@ -52,19 +67,58 @@ def _source_nll(run_dir: Path, summary: dict) -> float:
     return markov_source_nll(cfg.data.path, validation_batches(cfg))
 
 
-def load(d: Path) -> dict[str, list[Run]]:
-    """{method: [Run per seed]} of one `compare` output directory, in its method order."""
-    methods = json.loads((d / "compare.json").read_text())["methods"]
-    out: dict[str, list[Run]] = {}
-    for m in methods:
-        for rd in sorted((d / _safe(m)).glob("seed*")):
-            if not (rd / "summary.json").is_file():
-                continue
-            summary = json.loads((rd / "summary.json").read_text())
-            records = [json.loads(line) for line in (rd / "metrics.jsonl").open()]
-            run = Run(int(rd.name[4:]), summary, records, _source_nll(rd, summary))
-            out.setdefault(m, []).append(run)
-    return out
+def _pack_run(rd: Path) -> dict:
+    summary = json.loads((rd / "summary.json").read_text())
+    evals = []
+    for line in (rd / "metrics.jsonl").open():
+        rec = json.loads(line)
+        if "loss/val" in rec:
+            evals.append([rec["time/sim_s"], rec["loss/val"]])
+    return {
+        "seed": int(rd.name[4:]),
+        "summary": {k: summary[k] for k in SUMMARY_KEYS},
+        "source_nll": _source_nll(rd, summary),
+        "evals": evals,
+    }
+
+
+def pack(root: Path) -> dict:
+    """Every `compare` directory under `root` (e1/r*, e2, e3, e7/*): its methods, seeds and
+    overrides, and per method the packed run of each seed that finished."""
+    experiments, mtimes = {}, []
+    for meta_path in sorted(root.rglob("compare.json")):
+        d = meta_path.parent
+        meta = json.loads(meta_path.read_text())
+        runs = {}
+        for m in meta["methods"]:
+            done = [
+                rd for rd in sorted((d / _safe(m)).glob("seed*")) if (rd / "summary.json").is_file()
+            ]
+            runs[m] = [_pack_run(rd) for rd in done]
+            mtimes += [(rd / "summary.json").stat().st_mtime for rd in done]
+        name = str(d.relative_to(root))
+        experiments[name] = {k: meta[k] for k in ("methods", "seeds", "config", "sets")}
+        experiments[name]["runs"] = runs
+    when = [datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
+            for t in (min(mtimes), max(mtimes))]  # fmt: skip
+    return {"runs_finished_between": when, "experiments": experiments}
+
+
+def runs_of(exp: dict) -> dict[str, list[Run]]:
+    """{method: [Run per seed]} of one packed experiment, in its method order."""
+    return {
+        m: [
+            Run(
+                r["seed"],
+                r["summary"],
+                [{"time/sim_s": t, "loss/val": v} for t, v in r["evals"]],
+                r["source_nll"],
+            )
+            for r in rs
+        ]
+        for m, rs in exp["runs"].items()
+        if rs
+    }
 
 
 def _gap_pct(runs: list[Run], ref: list[Run], of=lambda r: r.excess) -> list[float]:
@@ -77,26 +131,30 @@ def _val(r: Run) -> float:
     return r.summary["loss/val"]
 
 
-def e1(root: Path) -> str:
-    dirs = [d for d in (root / "e1").glob("r*") if (d / "compare.json").is_file()]
-    if not dirs:
-        return "(not run)"
-    dirs.sort(key=lambda p: float(p.name[1:]))
-    methods = json.loads((dirs[0] / "compare.json").read_text())["methods"]
+def _e1(packed: dict) -> list[tuple[float, dict[str, list[Run]], list[str]]]:
+    """(r, runs, methods) of each E1 experiment, by r."""
+    out = []
+    for name, exp in packed["experiments"].items():
+        if name.startswith("e1/r"):
+            out.append((float(name[4:]), runs_of(exp), exp["methods"]))
+    return sorted(out, key=lambda x: x[0])
+
+
+def e1(packed: dict) -> str:
+    rows = _e1(packed)
+    methods = rows[0][2]
     head = "| r | " + " | ".join(methods) + " | closed form DiLoCo / GlobalM1 |"
     out = [head, "|---" * (len(methods) + 2) + "|"]
-    for d in dirs:
-        runs, r = load(d), float(d.name[1:])
+    for r, runs, _ in rows:
         cells = [_ms([x.summary["util/compute"] for x in runs.get(m, [])], ".3f") for m in methods]
         closed = f"{1 / (1 + r):.3f} / {1 / max(1, r):.3f}"
         out.append(f"| {r:g} | " + " | ".join(cells) + f" | {closed} |")
     return "\n".join(out)
 
 
-def quality(d: Path, ref: dict[str, list[Run]] | None = None) -> str:
-    """Per-method table of one compare directory; `ref` (the fault-free runs) adds the loss cost
-    of the faults, paired by seed and method."""
-    runs = load(d)
+def quality(runs: dict[str, list[Run]], ref: dict[str, list[Run]] | None = None) -> str:
+    """Per-method table of one experiment; `ref` (the fault-free runs) adds the loss cost of
+    the faults, paired by seed and method."""
     cost = "| cost of the faults (%) " if ref else ""
     out = [
         "| method | paired excess (nats) | vs DiLoCo (%) | val loss vs DiLoCo (%) "
@@ -118,10 +176,9 @@ def quality(d: Path, ref: dict[str, list[Run]] | None = None) -> str:
     return "\n".join(out)
 
 
-def time_to_targets(d: Path, targets: list[float]) -> str:
+def time_to_targets(runs: dict[str, list[Run]], targets: list[float]) -> str:
     """Simulated seconds until the paired excess first reaches each target (evaluated every
     run.eval_every steps), mean over the seeds that reach it."""
-    runs = load(d)
     out = [
         "| method | " + " | ".join(f"excess <= {t:g}" for t in targets) + " |",
         "|---" * (len(targets) + 1) + "|",
@@ -137,40 +194,23 @@ def time_to_targets(d: Path, targets: list[float]) -> str:
     return "\n".join(out)
 
 
-def faults(root: Path, ref: dict[str, list[Run]]) -> str:
-    out = []
-    for d in sorted((root / "e7").glob("*")):
-        if not (d / "compare.json").is_file():
+def faults(packed: dict) -> str:
+    """Each E7 experiment's table, costs against the fault-free runs of E2."""
+    ref, out = runs_of(packed["experiments"]["e2"]), []
+    for name, exp in sorted(packed["experiments"].items()):
+        if not name.startswith("e7/"):
             continue
-        out += [f"**{d.name}**", "", quality(d, ref), ""]
+        runs = runs_of(exp)
+        out += [f"**{name[3:]}**", "", quality(runs, ref), ""]
         counts = {}
-        for m, rs in load(d).items():
+        for m, rs in runs.items():
             keys = rs[0].summary["faults"]
             counts[m] = {k: sum(r.summary["faults"][k] for r in rs) for k in keys if keys[k]}
         out += [f"fault counters, summed over seeds: `{json.dumps(counts)}`", ""]
-    return "\n".join(out)
+    return "\n".join(out).rstrip("\n")
 
 
-def speed(path: Path) -> str:
-    if not path.is_file():
-        return "(not run)"
-    res = json.loads(path.read_text())
-    out = [
-        "| M | threads (worker-steps/s) | loop | vmap | threads / loop | vmap / loop |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in res["rows"]:
-        t, lo, v = row["threads"], row["loop"], row.get("vmap")
-        vmap = f"{v['worker_steps_per_s']:.1f}" if v else "-"
-        ratio = f"{row['ratio_vmap_over_loop']:.2f}" if v else "-"
-        out.append(
-            f"| {row['M']} | {t['worker_steps_per_s']:.1f} | {lo['worker_steps_per_s']:.1f} "
-            f"| {vmap} | {row['ratio_threads_over_loop']:.2f} | {ratio} |"
-        )
-    return "\n".join(out)
-
-
-def plots(root: Path, out: Path) -> None:
+def plots(packed: dict, out: Path) -> None:
     """fgd_e1.png (utilization vs r), fgd_pareto.png (E2/E4), fgd_loss_vs_time.png (E3)."""
     import matplotlib
 
@@ -180,9 +220,9 @@ def plots(root: Path, out: Path) -> None:
     from frugaltrain.sim.compare import pareto_front
 
     tag = "simulated clock; loss measured on the synthetic Markov source"
-    dirs = sorted((root / "e1").glob("r*"), key=lambda p: float(p.name[1:]))
-    rs_ = [float(d.name[1:]) for d in dirs]
-    e1runs = [load(d) for d in dirs]
+    rows = _e1(packed)
+    rs_ = [r for r, _, _ in rows]
+    e1runs = [runs for _, runs, _ in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for i, m in enumerate(e1runs[0]):
         ax.plot(rs_, [runs[m][0].summary["util/compute"] for runs in e1runs], "o-", label=m,
@@ -200,7 +240,8 @@ def plots(root: Path, out: Path) -> None:
     fig.savefig(out / "fgd_e1.png", dpi=110)
     plt.close(fig)
 
-    e2 = load(root / "e2")
+    exps = packed["experiments"]
+    e2 = runs_of(exps["e2"])
     pts = {
         m: (statistics.mean(r.summary["util/compute"] for r in rs),
             statistics.mean(r.excess for r in rs))
@@ -225,15 +266,12 @@ def plots(root: Path, out: Path) -> None:
 
     color = {m: f"C{i % 10}" for i, m in enumerate(e2)}  # same colour per method in both panels
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-    for ax, d, r in ((axes[0], root / "e2", 0.887), (axes[1], root / "e3", 1.774)):
-        if not (d / "compare.json").is_file():
-            continue
-        for m, rs in load(d).items():
+    for ax, name, r in ((axes[0], "e2", 0.887), (axes[1], "e3", 1.774)):
+        for m, rs in runs_of(exps[name]).items():
             if m in ("ddp", "M2:all"):  # ddp runs 10x longer; M2:all is diloco
                 continue
             run = rs[0]  # seed 0
-            pts_ = [(x["time/sim_s"], x["loss/val"] - run.source_nll) for x in run.records
-                    if "loss/val" in x]  # fmt: skip
+            pts_ = [(x["time/sim_s"], x["loss/val"] - run.source_nll) for x in run.records]
             ax.plot(*zip(*pts_, strict=True), label=m, color=color[m], lw=1)
         ax.set_xlabel("simulated wall-clock (s)")
         ax.set_yscale("log")
@@ -250,17 +288,35 @@ TARGETS = [0.40, 0.34, 0.30, 0.25]  # paired excess, nats: reached by most metho
 
 
 def main() -> None:
-    root = Path(sys.argv[1])
-    print("## Speed\n\n" + speed(Path("benchmarks/results/sim_scale.json")) + "\n")
-    print("## E1\n\n" + e1(root) + "\n")
-    print("## E2/E4 (r = 0.887)\n\n" + quality(root / "e2") + "\n")
-    print("## E3 at r = 0.887 (simulated s)\n\n" + time_to_targets(root / "e2", TARGETS) + "\n")
-    if (root / "e3" / "compare.json").is_file():
-        print("## E3 at r = 1.774 (simulated s)\n\n" + time_to_targets(root / "e3", TARGETS))
-        print("\n" + quality(root / "e3") + "\n")
-    print("## E7\n\n" + faults(root, load(root / "e2")))
+    src = Path(sys.argv[1])
+    if "--pack" in sys.argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import provenance
+
+        record = provenance.start(
+            "simulated",
+            note="clock, utilization and bytes simulated or counted; losses measured (the real "
+            "computation's); the runs were made by docs/results/fgd_experiments.sh",
+        )
+        record["runs_command"] = "bash docs/results/fgd_experiments.sh"
+        record.update(pack(src))
+        record["variants"] = {
+            f"{name}/{m}": [*exp["sets"], f"method={m}"]
+            for name, exp in record["experiments"].items()
+            for m in exp["methods"]
+        }
+        provenance.save(provenance.finish(record), sys.argv[sys.argv.index("--pack") + 1])
+        return
+    packed = json.loads(src.read_text())
+    exps = packed["experiments"]
+    print("## E1\n\n" + e1(packed) + "\n")
+    print("## E2/E4 (r = 0.887)\n\n" + quality(runs_of(exps["e2"])) + "\n")
+    print("## E3 at r = 0.887 (simulated s)\n\n" + time_to_targets(runs_of(exps["e2"]), TARGETS))
+    print("\n## E3 at r = 1.774 (simulated s)\n\n" + time_to_targets(runs_of(exps["e3"]), TARGETS))
+    print("\n" + quality(runs_of(exps["e3"])) + "\n")
+    print("## E7\n\n" + faults(packed))
     if "--plots" in sys.argv:
-        plots(root, Path(sys.argv[sys.argv.index("--plots") + 1]))
+        plots(packed, Path(sys.argv[sys.argv.index("--plots") + 1]))
 
 
 if __name__ == "__main__":
