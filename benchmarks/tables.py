@@ -32,7 +32,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
+from data_prep import table as data_prep_table  # noqa: E402
 from fgd_corpora import table as corpora_table  # noqa: E402
+from fgd_tables import TARGETS as FGD_TARGETS  # noqa: E402
+from fgd_tables import e1 as fgd_e1  # noqa: E402
+from fgd_tables import faults as fgd_faults  # noqa: E402
+from fgd_tables import quality as fgd_quality  # noqa: E402
+from fgd_tables import runs_of as fgd_runs  # noqa: E402
+from fgd_tables import time_to_targets as fgd_time_to  # noqa: E402
+from flow_profile_check import table as flow_profile_table  # noqa: E402
 from link_probe import table as link_probe_table  # noqa: E402
 from machines import table as machines_table  # noqa: E402
 from netlab_validation import rows as netlab_rows  # noqa: E402
@@ -124,6 +132,263 @@ def compression_long(files: list[dict]) -> str:
             was["loss_val"] / ref_short["loss_val"],
         )
         lines.append(f"| {codec} | {got['loss_val']:.4f} | {ratio:.4f} | {before:.4f} |")
+    return "\n".join(lines)
+
+
+def ft_straggler(files: list[dict]) -> str:
+    """Worker 0's time to its last round with and without a straggler, per method."""
+    f = files[0]
+    lines = [
+        "| method | straggler | worker 0 s to round 19 | slowest worker then "
+        "| Mix1 messages worker 0 dropped | final val loss | worker 0 time vs no straggler |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in f["rows"]:
+        ratio = f["summary"][r["method"]]["worker0_time_ratio"] if r["straggler"] else 1.0
+        lines.append(
+            _row(
+                [
+                    r["method"],
+                    f"worker 1 at {f['factor']:g}x" if r["straggler"] else "no",
+                    f"{r['worker0_s_to_last_round']:.1f}",
+                    f"round {r['slowest_round_then']}",
+                    str(r["mix1_late_worker0"]),
+                    f"{r['val_loss']:.3f}",
+                    f"**{ratio:.2f}x**" if r["straggler"] else f"{ratio:.2f}x",
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
+def vs_torchft(files: list[dict]) -> str:
+    """Our DiLoCo against torchft's, alternating repetitions: loss and tokens/s per rep."""
+    f = files[0]
+    names = {
+        "frugaltrain": "frugaltrain `diloco`",
+        "torchft": "torchft `local_sgd.DiLoCo` + Manager + Lighthouse",
+    }
+    lines = [
+        f"| | final val loss | tokens/s per rep ({f['config']['reps']} reps) | mean tokens/s |",
+        "|---|---|---|---|",
+    ]
+    for impl, name in names.items():
+        runs = sorted((r for r in f["runs"] if r["impl"] == impl), key=lambda r: r["rep"])
+        reps = " / ".join(f"{r['tokens_per_s']:,.0f}" for r in runs)
+        mean = f["summary"][impl]
+        row = [name, f"{mean['val_loss_mean']:.4f}", reps, f"{mean['tokens_per_s_mean']:,.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+ENERGY_LOGLINEAR = (
+    ("flops_only", "ln FLOPs (data set column)"),
+    ("flops_lnM", "+ ln M"),
+    ("flops_lnM_hw_model", "+ hardware and model dummies"),
+    ("duration_only", "measured duration alone (post-run)"),
+    ("analytic_F_only", "ln F (our analytic training FLOPs)"),
+    ("paper_law_C_M_hw", "paper law ln C, ln M + hw, model (η = 1 here)"),
+)
+ENERGY_ROOFLINE = (
+    ("time_model", "step-time roofline, pre-run (**time**)"),
+    ("roofline_pre_run", "energy roofline, predicted T (**pre-run**)"),
+    ("roofline_post_run", "energy roofline, measured T (post-run)"),
+    (
+        "scale_shift_pre_run",
+        "pre-run, scale shift (train on the smallest 75% of F, test on the rest)",
+    ),
+)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def energy_loglinear(files: list[dict]) -> str:
+    """The public set's log-linear models against the research note's reference figures."""
+    rows = files[0]["rows"]
+    lines = [
+        "| log-linear model (reproduction) | R²(ln E) | MAPE | reference | ΔR² "
+        "| 20-split medians |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, label in ENERGY_LOGLINEAR:
+        r, ref = rows[key], rows[key].get("reference")
+        lo, hi = r["r2_log_20split_seed_range"]
+        cells = [label, f"{r['r2_log']:.3f}", _pct(r["mape"])]
+        if ref:
+            delta = f"{r['r2_log'] - ref['r2_log']:.3f}".replace("-", "−")
+            cells += [f"{ref['r2_log']:g} / {100 * ref['mape']:g}%", delta]
+        else:
+            cells += ["", ""]
+        lines.append(_row([*cells, f"{lo:.3f}–{hi:.3f}"]))
+    return "\n".join(lines)
+
+
+def energy_roofline(files: list[dict]) -> str:
+    """The roofline models on the public set: the pre-run energy MAPE is the target's figure."""
+    rows = files[0]["rows"]
+    lines = [
+        "| roofline models (20 splits) | R²(ln) | MAPE | RMSE(ln) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, label in ENERGY_ROOFLINE:
+        r = rows[key]
+        mape = f"**{_pct(r['mape'])}**" if key == "roofline_pre_run" else _pct(r["mape"])
+        rmse = f"{r['log_rmse']:.3f}" if key != "scale_shift_pre_run" else ""
+        lines.append(_row([label, f"{r['r2_log']:.3f}", mape, rmse]))
+    return "\n".join(lines)
+
+
+def energy_cpu_sweep(files: list[dict]) -> str:
+    """The CPU sweep's step-time model: held-out architectures, extrapolation, no fit."""
+    f = files[0]
+    held = f["time_model_heldout_architectures"]
+    lo, hi = held["mape_iqr"]
+    n = f["n_configs"] // 4  # architectures: each is swept at 4 (s, b) points
+    lines = ["| step-time model | MAPE | R²(ln) |", "| --- | --- | --- |"]
+    lines.append(
+        _row(
+            [
+                f"held-out architectures, 70/30 ({n} architectures), median of "
+                f"{held['n_splits']} splits",
+                f"**{_pct(held['mape'])}** (IQR {100 * lo:.1f}–{_pct(hi)})",
+                f"{held['r2_log']:.3f}",
+            ]
+        )
+    )
+    lines.append(
+        _row(
+            [
+                "train d < 256, test d = 256 (extrapolation)",
+                _pct(f["time_model_extrapolation_mape"]),
+                "",
+            ]
+        )
+    )
+    lines.append(
+        _row(
+            [
+                "uncalibrated roofline on the microbenchmark ceilings (no fit)",
+                _pct(f["uncalibrated_roofline_mape"]),
+                "",
+            ]
+        )
+    )
+    return "\n".join(lines)
+
+
+# The H100 sweep's models and their targets: (key, label, MAPE at most, R²(ln) at least).
+ENERGY_H100 = (
+    ("time model (pre-run)", "time model (pre-run)", 0.12, None),
+    ("energy, predicted T (pre-run)", "energy, predicted T (pre-run)", 0.15, 0.95),
+    ("energy, measured T (post-run)", "energy, measured T (post-run)", 0.05, None),
+    ("extrapolation_pre", "pre-run extrapolation (train on the smallest 75% of C)", 0.30, None),
+)
+
+
+def energy_h100(files: list[dict]) -> str:
+    """The H100 sweep's models, 70/30 by architecture, each against its target."""
+    f = files[0]
+    lines = [
+        "| 70/30 by architecture, 20 splits | R²(ln) | MAPE | target |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, label, mape_max, r2_min in ENERGY_H100:
+        r = f[key]
+        met = r["mape"] <= mape_max and (r2_min is None or r["r2_log"] >= r2_min)
+        target = f"≤ {100 * mape_max:g}%" + (f", R² ≥ {r2_min:g}" if r2_min else "")
+        cells = [f"{r['r2_log']:.3f}", _pct(r["mape"]), f"{target}: {'met' if met else 'missed'}"]
+        lines.append(_row([label, *cells]))
+    return "\n".join(lines)
+
+
+HF_NAMES = {
+    "diloco": "DiLoCo",
+    "M2pairs:embed+head+blocks:1": "GlobalM1 + pairs Mix2 on embed+head+blocks:1",
+}
+
+
+def _hf_rows(f: dict) -> tuple[dict[str, dict[int, dict]], dict[int, dict]]:
+    """{method: {seed: run}} of an hf_loss_gap.py file, in its order, and DiLoCo's runs."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in f["runs"]:
+        by.setdefault(r["method"], {})[r["seed"]] = r
+    return by, by["diloco"]
+
+
+def _x_diloco(runs: dict[int, dict], ref: dict[int, dict], key: str) -> list[float]:
+    return [runs[k][key] / ref[k][key] for k in sorted(runs)]
+
+
+def hf_loss_gap(files: list[dict]) -> str:
+    """The default job's Llama, one outer step for all: losses, paired ratio, utilization."""
+    by, ref = _hf_rows(files[0])
+    lines = [
+        "| method | val loss (workers' mean) | averaged model | x DiLoCo "
+        "| utilization at r = 0.887 |",
+        "|---|---|---|---|---|",
+    ]
+    for m, runs in by.items():
+        rs = [runs[k] for k in sorted(runs)]
+        x = "-" if m == "diloco" else _ms(_x_diloco(runs, ref, "loss_val"))
+        cells = [_ms([r["loss_val"] for r in rs]), _ms([r["loss_val_avg_model"] for r in rs])]
+        lines.append(_row([HF_NAMES.get(m, m), *cells, x, f"{rs[0]['util_r0887']:.3f}"]))
+    return "\n".join(lines)
+
+
+def hf_loss_gap_tuned(files: list[dict]) -> str:
+    """The same at each method's tuned outer step: ratios for the workers and the averaged
+    model, the method inside 1% in bold."""
+    by, ref = _hf_rows(files[0])
+    lines = [
+        "| method (lr 0.35, momentum 0.8) | val loss (workers' mean) | averaged model "
+        "| x DiLoCo (workers) | x DiLoCo (averaged) |",
+        "|---|---|---|---|---|",
+    ]
+    for m, runs in by.items():
+        rs = [runs[k] for k in sorted(runs)]
+        cells = [_ms([r["loss_val"] for r in rs]), _ms([r["loss_val_avg_model"] for r in rs])]
+        for key in ("loss_val", "loss_val_avg_model"):
+            x = _x_diloco(runs, ref, key)
+            cell = "-" if m == "diloco" else _ms(x)
+            cells.append(f"**{cell}**" if m != "diloco" and statistics.mean(x) < 1.01 else cell)
+        lines.append(_row([HF_NAMES.get(m, m), *cells]))
+    return "\n".join(lines)
+
+
+# The outer steps tried for DiLoCo with topk:0.01+2bit (variant names of the pilot files, whose
+# JSON records the name only; fgd_real_text.py's --variant gave each its overrides).
+SPARSE_OUTER = (
+    ("sl-m09-lr07-b1", "Nesterov, lr 0.7, momentum 0.9, feedback decay 1 (DiLoCo's default)"),
+    ("sl-b095-lr1", "momentum 0, lr 1.0, feedback decay 0.95"),
+    ("sl-b1-lr1", "momentum 0, lr 1.0, feedback decay 1"),
+    ("sl-lr05", "momentum 0, lr 0.5, feedback decay 1"),
+    ("sl-lr2", "momentum 0, **lr 2.0**, feedback decay 1"),
+    ("sl-lr3", "momentum 0, lr 3.0, feedback decay 1"),
+)
+SPARSE_CHOSEN = "sl-lr2"
+
+
+def compression_outer_pilot(files: list[dict]) -> str:
+    """Seed 0's validation loss of each outer step at H = 10 and 50 (the pilot files, then the
+    sparse lr file), and fp32 DiLoCo's with its tuned outer step (the momentum grid's files)."""
+    loss: dict[tuple[str, int], float] = {}
+    for f in files[:3]:
+        for r in f["runs"]:
+            loss[r["method"], r["H"]] = r["loss_val"]
+    tuned = {10: ("diloco-mu0.8", files[3]), 50: ("diloco-m8-lr1", files[4])}
+    for H, (name, f) in tuned.items():
+        loss["tuned", H] = next(
+            r["loss_val"] for r in f["runs"] if (r["method"], r["H"]) == (name, H)
+        )
+    rows = [*SPARSE_OUTER, ("tuned", "fp32 DiLoCo, tuned (lr 0.35 / 1.0, momentum 0.8)")]
+    lines = ["| outer step | H = 10 (50 rounds) | H = 50 (10 rounds) |", "|---|---|---|"]
+    for name, label in rows:
+        cells = [f"{loss[name, H]:.4f}" if (name, H) in loss else "" for H in (10, 50)]
+        if name == SPARSE_CHOSEN:
+            cells = [f"**{c}**" if c else c for c in cells]
+        lines.append(_row([label, *cells]))
     return "\n".join(lines)
 
 
@@ -760,6 +1025,25 @@ TABLES = {
         + ("compression_h10_s0.json", "compression_h10_s12.json"),
         compression_real,
     ),
+    "ft-straggler": Table("docs/fault_tolerance.md", ("ft_straggler.json",), ft_straggler),
+    "vs-torchft": Table("docs/fault_tolerance.md", ("vs_torchft.json",), vs_torchft),
+    "energy-public-loglinear": Table(
+        "docs/energy.md", ("energy_public_validation.json",), energy_loglinear
+    ),
+    "energy-public-roofline": Table(
+        "docs/energy.md", ("energy_public_validation.json",), energy_roofline
+    ),
+    "energy-cpu-sweep": Table("docs/energy.md", ("energy_cpu_sweep.json",), energy_cpu_sweep),
+    "energy-h100": Table("docs/energy.md", ("energy_gpu_h100_summary.json",), energy_h100),
+    "data-prep": Table("docs/data.md", ("data_prep.json",), lambda f: data_prep_table(f[0])),
+    "hf-loss-gap": Table("docs/models.md", ("hf_loss_gap.json",), hf_loss_gap),
+    "hf-loss-gap-tuned": Table("docs/models.md", ("hf_loss_gap_tuned.json",), hf_loss_gap_tuned),
+    "compression-outer-pilot": Table(
+        "docs/results/compression.md",
+        ("compression_outer_pilot_h10.json", "compression_outer_pilot_h50.json")
+        + ("compression_sparse_lr_h10.json", "fgd_momentum_h10.json", "fgd_momentum_h50_h100.json"),
+        compression_outer_pilot,
+    ),
     "time-to-loss-flagship-links": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_flagship.json",),
@@ -774,6 +1058,32 @@ TABLES = {
         "docs/results/fgd.md", ("fgd_corpora_base.json", "fgd_corpora_4x.json"), fgd_corpora
     ),
     "fgd-late": Table("docs/results/fgd.md", ("fgd_late_probe.json",), fgd_corpora),
+    "flow-profile-check": Table(
+        "docs/flow.md",
+        ("flow_profile_check.json",),
+        lambda f: flow_profile_table(f[0]["measured.summary"]),
+    ),
+    "fgd-e1": Table("docs/results/fgd.md", ("fgd_sim.json",), lambda f: fgd_e1(f[0])),
+    "fgd-e2": Table(
+        "docs/results/fgd.md",
+        ("fgd_sim.json",),
+        lambda f: fgd_quality(fgd_runs(f[0]["experiments"]["e2"])),
+    ),
+    "fgd-e3-r0.887": Table(
+        "docs/results/fgd.md",
+        ("fgd_sim.json",),
+        lambda f: fgd_time_to(fgd_runs(f[0]["experiments"]["e2"]), FGD_TARGETS),
+    ),
+    "fgd-e3-r1.774": Table(
+        "docs/results/fgd.md",
+        ("fgd_sim.json",),
+        lambda f: (
+            fgd_time_to(fgd_runs(f[0]["experiments"]["e3"]), FGD_TARGETS)
+            + "\n\n"
+            + fgd_quality(fgd_runs(f[0]["experiments"]["e3"]))
+        ),
+    ),
+    "fgd-e7": Table("docs/results/fgd.md", ("fgd_sim.json",), lambda f: fgd_faults(f[0])),
     "sim-scale": Table("docs/results/fgd.md", ("sim_scale.json",), sim_scale),
     "fgd-ablation": Table("docs/results/fgd.md", ("fgd_ablation_h10.json",), fgd_ablation),
     "fgd-lr-grid-h10": Table(
