@@ -96,3 +96,19 @@ def test_a_line_that_is_not_a_record_is_refused(tmp_path):
     relay = MetricsRelay(tmp_path / "metrics.jsonl")
     with pytest.raises(ValueError):
         relay.add("A", ["not json"], ["A"])
+
+
+def test_a_gap_in_the_sources_log_is_filled_from_the_reserve(tmp_path):
+    """The source's writing worker was restarted and rejoined at round 3's end: the rounds
+    trained meanwhile come from the next machine's log, once, in order."""
+    path = tmp_path / "metrics.jsonl"
+    relay = MetricsRelay(path)
+    relay.add("A", lines("A", 1, 4), ["A", "B"])
+    relay.add("B", lines("B", 1, 12), ["A", "B"])
+    relay.add("A", lines("A", 13, 16), ["A", "B"])
+    steps, rounds, _ = written(path)
+    want = [(s, "A") for s in range(1, 5)] + [(s, "B") for s in range(5, 13)]
+    assert steps == want + [(s, "A") for s in range(13, 17)]
+    assert rounds == [1, 2, 3, 4]
+    order = [(r["kind"], r["step"]) for r in read_metrics(path)]
+    assert order == sorted(order, key=lambda x: (x[1], x[0] == "round"))  # as one worker logs

@@ -7,7 +7,9 @@ machine is the source: the one holding the lowest slot when the first lines come
 the source until it is lost (a joiner in a lower slot does not take over, so no record falls
 between two sources). The others' lines are kept in reserve from the newest record written on;
 when the source is lost, the machine holding the lowest slot among the rest takes over from
-there. A record without a step (membership) that is already in the log is not written again.
+there. A source whose writing worker was restarted (it rejoins at a round end) has a gap: the
+records of the rounds trained meanwhile come from the reserve. A record without a step
+(membership) that is already in the log is not written again.
 Every round is logged once, in order, whatever machines come and go.
 """
 
@@ -43,9 +45,11 @@ class MetricsRelay:
             self.reserve.setdefault(machine, []).extend((json.loads(x), x) for x in lines)
             if self.source not in holders:
                 self.source = holders[0] if holders else machine
-            out = [
-                x for rec, line in self.reserve.pop(self.source, []) for x in self._take(rec, line)
-            ]
+            out: list[str] = []
+            for rec, line in self.reserve.pop(self.source, []):
+                if rec.get("step") is not None:  # what the source missed (its writer restarted)
+                    out += self._fill(rec["step"], holders)
+                out += self._take(rec, line)
             self._drop_written()
             if out:
                 with open(self.path, "a") as f:
@@ -68,6 +72,22 @@ class MetricsRelay:
             return []
         self.newest[rec.get("kind")] = step
         return [line]
+
+    def _fill(self, step: int, holders: list[str]) -> list[str]:
+        """The reserves' records between the newest written and `step`, in their order, the
+        lowest slot's machine first: a source whose writing worker was restarted has none of
+        the rounds trained meanwhile."""
+        out = []
+        for machine in holders:
+            started = False  # past the records already written (and the views of them)
+            for rec, line in self.reserve.get(machine, []):
+                s = rec.get("step")
+                if s is not None and s >= step:
+                    break
+                started = started or (s is not None and s > self.newest.get(rec["kind"], -1))
+                if started:
+                    out += self._take(rec, line)
+        return out
 
     def _drop_written(self) -> None:
         """Drop each reserve's lines up to its last record already written (the records without
