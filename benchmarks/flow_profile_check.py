@@ -46,7 +46,7 @@ import provenance
 import torch
 from flow import WORKLOADS, with_sets
 
-from frugaltrain.flow.alloc import profile
+from frugaltrain.flow.alloc import encoder_pass, profile
 from frugaltrain.flow.config import FlowConfig, load_flow_config
 from frugaltrain.flow.data import build_dataset
 from frugaltrain.flow.models import build_consumer, build_encoder
@@ -107,19 +107,6 @@ def flop(cfg: FlowConfig, calls: list[list[int]]) -> float:
 def measurement(cfg: FlowConfig, calls: list[list[int]], seconds: float, gcs: dict) -> dict:
     n = sum(len(c) for c in calls)
     return {"samples": n, "seconds": seconds, "flop": flop(cfg, calls), **gcs}
-
-
-def time_pass(cfg: FlowConfig, enc: torch.nn.Module, inputs: list[torch.Tensor]) -> list[float]:
-    """One pass of alloc._time_encoder's loop: seconds of each call."""
-    train, seconds = cfg.run.train_encoder, []
-    for x in inputs:
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(train):
-            y = enc(x)
-            if train:
-                y.backward(torch.ones_like(y))
-        seconds.append(time.perf_counter() - t0)
-    return seconds
 
 
 def profile_calls(cfg: FlowConfig, ds: CaptionSet) -> list[list[int]]:
@@ -199,7 +186,7 @@ def child_passes(cfg: FlowConfig, passes: int) -> list[dict]:
         for _ in range(passes):
             with gc_clock() as gcs:
                 t0 = time.perf_counter()
-                seconds = time_pass(cfg, enc, inputs)
+                seconds = encoder_pass(cfg, enc, inputs)
                 wall = time.perf_counter() - t0
             m = measurement(cfg, visual(ds, calls), sum(seconds), gcs)
             out.append(m | {"wall_s": wall})
@@ -268,7 +255,7 @@ class Warm:
         torch.set_num_threads(self.cfg.run.threads)
         try:
             with gc_clock() as gcs:
-                seconds = sum(time_pass(self.cfg, self.enc, self.inputs))
+                seconds = sum(encoder_pass(self.cfg, self.enc, self.inputs))
         finally:
             torch.set_num_threads(saved)
         return measurement(self.cfg, self.calls, seconds, gcs)

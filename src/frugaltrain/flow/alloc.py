@@ -261,17 +261,25 @@ def _time_encoder(cfg, enc, ds, calls: list[list[int]]) -> list[float]:
     second of two passes: the first warms up the allocator's caches."""
     import torch
 
-    dtype, train = getattr(torch, cfg.run.dtype), cfg.run.train_encoder
-    inputs = [ds.encoder_input(c, dtype) for c in calls]
+    inputs = [ds.encoder_input(c, getattr(torch, cfg.run.dtype)) for c in calls]
     for _ in range(2):
-        seconds = []
-        for x in inputs:
-            t0 = time.perf_counter()
-            with torch.set_grad_enabled(train):
-                y = enc(x)
-                if train:
-                    y.backward(torch.ones_like(y))
-            seconds.append(time.perf_counter() - t0)
+        seconds = encoder_pass(cfg, enc, inputs)
+    return seconds
+
+
+def encoder_pass(cfg, enc, inputs: list) -> list[float]:
+    """One timed pass over the encoder calls' inputs: seconds of each call's forward (+ backward
+    when trainable)."""
+    import torch
+
+    train, seconds = cfg.run.train_encoder, []
+    for x in inputs:
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(train):
+            y = enc(x)
+            if train:
+                y.backward(torch.ones_like(y))
+        seconds.append(time.perf_counter() - t0)
     return seconds
 
 
