@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import flow_tables  # noqa: E402
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
 from data_prep import table as data_prep_table  # noqa: E402
 from fgd_corpora import table as corpora_table  # noqa: E402
@@ -300,42 +301,6 @@ def energy_h100(files: list[dict]) -> str:
         target = f"≤ {100 * mape_max:g}%" + (f", R² ≥ {r2_min:g}" if r2_min else "")
         cells = [f"{r['r2_log']:.3f}", _pct(r["mape"]), f"{target}: {'met' if met else 'missed'}"]
         lines.append(_row([label, *cells]))
-    return "\n".join(lines)
-
-
-FLOW_WORKLOADS = {"encoder_heavy": "encoder-heavy", "backbone_heavy": "backbone-heavy"}
-
-
-def flow_sensitivity(files: list[dict]) -> str:
-    """Simulated flow / data parallelism by samples per device per step, at R = 8 and 64; the
-    largest in bold."""
-    by = {
-        wl: files[0]["workloads"][wl]["simulated.flow_over_baseline_by_samples_per_device"]
-        for wl in FLOW_WORKLOADS
-    }
-    per = sorted({int(k) for v in by.values() for k in v})
-    best = max(
-        x[R]["simulated.flow_over_baseline"] for v in by.values() for x in v.values() for R in x
-    )
-    lines = ["| Workload | R | " + " | ".join(map(str, per)) + " |", "|---" * (len(per) + 2) + "|"]
-    for wl, name in FLOW_WORKLOADS.items():
-        for R in sorted({R for x in by[wl].values() for R in x}, key=int):
-            vals = [by[wl][str(p)][R]["simulated.flow_over_baseline"] for p in per]
-            cells = [f"**{v:.2f}**" if v == best else f"{v:.2f}" for v in vals]
-            lines.append(_row([name, R, *cells]))
-    return "\n".join(lines)
-
-
-def flow_validation(files: list[dict]) -> str:
-    """The simulator's error against each run's measured medians (runs 1 and 2, in order)."""
-    variants = ("flow", "sync", "monolithic_dp", "monolithic")
-    lines = ["| Workload, run | " + " | ".join(variants) + " |", "|---" * 5 + "|"]
-    for wl, name in FLOW_WORKLOADS.items():
-        for run, f in enumerate(files, 1):
-            val = f["workloads"][wl]["simulated.validation"]
-            lines.append(
-                _row([f"{name}, {run}", *(f"{100 * val[v]['error']:+.0f}%" for v in variants)])
-            )
     return "\n".join(lines)
 
 
@@ -1072,9 +1037,14 @@ TABLES = {
     "energy-cpu-sweep": Table("docs/energy.md", ("energy_cpu_sweep.json",), energy_cpu_sweep),
     "energy-h100": Table("docs/energy.md", ("energy_gpu_h100_summary.json",), energy_h100),
     "data-prep": Table("docs/data.md", ("data_prep.json",), lambda f: data_prep_table(f[0])),
-    "flow-sensitivity": Table("docs/flow.md", ("flow-vlm-run2.json",), flow_sensitivity),
+    "flow-runs": Table("docs/flow.md", flow_tables.VLM_FILES, flow_tables.vlm_runs),
+    "flow-idle": Table("docs/flow.md", flow_tables.VLM_FILES[:2], flow_tables.vlm_idle),
+    "flow-projection": Table("docs/flow.md", flow_tables.VLM_FILES, flow_tables.vlm_projection),
+    "flow-sensitivity": Table(
+        "docs/flow.md", ("flow-vlm-run2.json",), flow_tables.flow_sensitivity
+    ),
     "flow-validation": Table(
-        "docs/flow.md", ("flow-vlm-run1.json", "flow-vlm-run2.json"), flow_validation
+        "docs/flow.md", flow_tables.VLM_FILES[:2], flow_tables.flow_validation
     ),
     "hf-loss-gap": Table("docs/models.md", ("hf_loss_gap.json",), hf_loss_gap),
     "hf-loss-gap-tuned": Table("docs/models.md", ("hf_loss_gap_tuned.json",), hf_loss_gap_tuned),
