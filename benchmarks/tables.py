@@ -49,6 +49,8 @@ from time_to_loss import links_table  # noqa: E402
 from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
 from time_to_loss import table as time_to_loss_table  # noqa: E402
 
+TINY = flow_tables.TINY_FILES  # the tiny parts' flow runs, in docs/flow.md's order
+
 
 @dataclass(frozen=True)
 class Table:
@@ -1045,6 +1047,24 @@ TABLES = {
     ),
     "flow-validation": Table(
         "docs/flow.md", flow_tables.VLM_FILES[:2], flow_tables.flow_validation
+    ),
+    "flow-tiny-runs": Table("docs/flow.md", TINY, flow_tables.tiny_runs_encoder),
+    "flow-tiny-runs-backbone": Table("docs/flow.md", TINY, flow_tables.tiny_runs_backbone),
+    "flow-tiny-idle": Table("docs/flow.md", TINY, flow_tables.tiny_idle),
+    "flow-tiny-variants": Table("docs/flow.md", TINY, flow_tables.tiny_variants),
+    "flow-tiny-alloc": Table(
+        "docs/flow.md",
+        ("flow-alloc-R3-encoder_heavy.json", "flow-alloc-R4-backbone_heavy.json"),
+        flow_tables.tiny_alloc,
+    ),
+    "flow-tiny-cost-models": Table("docs/flow.md", ("flow.json",), flow_tables.tiny_cost_models),
+    "flow-tiny-validation": Table("docs/flow.md", TINY, flow_tables.tiny_validation),
+    "flow-tiny-slowdown": Table("docs/flow.md", TINY, flow_tables.tiny_slowdown),
+    "flow-tiny-projection-encoder": Table(
+        "docs/flow.md", ("flow.json",), flow_tables.tiny_projection("encoder_heavy")
+    ),
+    "flow-tiny-projection-backbone": Table(
+        "docs/flow.md", ("flow.json",), flow_tables.tiny_projection("backbone_heavy")
     ),
     "hf-loss-gap": Table("docs/models.md", ("hf_loss_gap.json",), hf_loss_gap),
     "hf-loss-gap-tuned": Table("docs/models.md", ("hf_loss_gap_tuned.json",), hf_loss_gap_tuned),
