@@ -5,7 +5,9 @@ backend, and a pickle an attacker writes into the store is refused without runni
 from __future__ import annotations
 
 import json
+import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -117,3 +119,49 @@ def test_the_handler_pickle_is_read_with_only_the_state_classes(tmp_path):
     with pytest.raises(StateError, match="refusing to build"):
         to_json(pickle.dumps(_Bomb(tmp_path / "pwned")))
     assert not (tmp_path / "pwned").exists()
+
+
+def test_expire_dates_back_only_the_chosen_nodes(store):
+    backend = JsonBackend(store, "run")
+    assert backend.expire(lambda node: True) == 0  # no state yet: nothing to mark
+    backend.set_state(pickle.dumps(_state()))
+    before = from_json(store.get("frugaltrain.rendezvous.json.run"))
+    assert backend.expire(lambda node: node[0] == "worker1" and node[1] == 1001) == 1
+    after = from_json(store.get("frugaltrain.rendezvous.json.run"))
+    gone = _NodeDesc("worker1", 1001, 1)
+    assert after.last_heartbeats[gone] == datetime(1970, 1, 1, tzinfo=timezone.utc)
+    assert {n: t for n, t in after.last_heartbeats.items() if n != gone} == {
+        n: t for n, t in before.last_heartbeats.items() if n != gone
+    }
+    assert after.participants == before.participants  # the handler drops it, not expire
+    assert backend.expire(lambda node: node[0] == "worker7") == 0
+
+
+def test_an_expired_member_is_dropped_at_the_next_sync():
+    """Two members form a round; the second is then known to be gone. Marked with
+    rendezvous.expire, the first drops it at its next sync; unmarked, its keep-alive would keep
+    it in until its keep-alive expires (30 s here, so a slow machine cannot flake the test)."""
+    from frugaltrain.comm import rendezvous
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    made = [
+        rendezvous._handler("127.0.0.1", server.port, 2, f"worker{w}", 10.0, 30.0) for w in (0, 1)
+    ]
+    handlers = [h for h, _, _ in made]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    handlers[1]._stop_heartbeats()  # it is gone: no more keep-alives
+    holder = handlers[0]._state_holder
+    holder._cache_duration = 0  # every sync reads the store (the handler caches it for 1 s)
+
+    def names() -> set[str]:
+        holder.sync()
+        return {n.addr for n in holder.state.participants}
+
+    assert names() == {"worker0", "worker1"}  # fresh keep-alives: nobody dropped
+    assert rendezvous.expire(server, "worker1", pid=os.getpid() + 1) == 0  # another process
+    assert names() == {"worker0", "worker1"}
+    assert rendezvous.expire(server, "worker1") == 1
+    assert names() == {"worker0"}
+    for h in handlers:
+        h.shutdown()

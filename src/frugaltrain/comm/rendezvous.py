@@ -16,6 +16,10 @@ the TCPStore the launcher hosts (so it outlives any worker) as JSON by comm/rend
     close       the launcher closes the rendezvous when the run is over; a worker still waiting
                 gets `RendezvousClosedError`.
 
+A process known to be gone need not wait out its keep-alive: the launcher (a worker process
+exited) and the coordinator (a machine's channel closed) `expire` its nodes, and the others drop
+them at their next sync, within a poll.
+
 What a rendezvous round does not know is what each participant was doing: a member recovering
 from a failure, a member at a round end ready to admit, a restarted worker asking to join, or a
 member the others already went on without (stale). So every participant posts that to the
@@ -79,6 +83,11 @@ class _Backend(JsonBackend):
     def set_state(self, state: bytes, token=None):
         self._check()
         return super().set_state(state, token)
+
+
+def node_name(worker: int) -> str:
+    """A worker's address in the rendezvous (every incarnation's; the pid tells them apart)."""
+    return f"worker{worker}"
 
 
 def _handler(
@@ -186,7 +195,7 @@ class Membership:
             host,
             port,
             world_size,
-            f"worker{worker}",
+            node_name(worker),
             timeout_s,
             hb_timeout_s,
             keys.evict(worker, incarnation),
@@ -233,6 +242,17 @@ class Membership:
     def cut(self, on: bool) -> None:
         """An injected partition: this worker's keep-alives fail while `on`."""
         (self.backend.cut.set if on else self.backend.cut.clear)()
+
+
+def expire(store: dist.Store, name: str, pid: int | None = None, namespace: str = "") -> int:
+    """Have the others drop `name`'s rendezvous nodes (only process `pid`'s, if given) at their
+    next sync: the process is known to be gone (it exited, or its machine's channel closed), so
+    nobody waits out its keep-alive (MIN_EXPIRY_S) first. `store`: the run's store. Returns how
+    many nodes were marked."""
+    if namespace:
+        store = dist.PrefixStore(namespace, store)
+    backend = JsonBackend(dist.PrefixStore(keys.RENDEZVOUS, store), RUN_ID)
+    return backend.expire(lambda node: node[0] == name and pid in (None, node[1]))
 
 
 def close(host: str, port: int, world_size: int, namespace: str = "") -> None:

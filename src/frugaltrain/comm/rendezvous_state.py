@@ -18,6 +18,9 @@ what any process that can reach the store wrote there, and a pickle can run code
 The store's value is `null` until the first state is written ("no state yet": get_state returns
 None). A value that is not a well-formed state raises `StateError` (a RendezvousStateError and a
 ValueError) with one line saying what is wrong.
+
+`JsonBackend.expire` marks nodes known to be gone (a process that exited, a machine whose
+channel closed) as dead at once, instead of after their keep-alive runs out.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -45,6 +49,7 @@ MAX_STATE_BYTES = 4 << 20  # a state of MAX_NODES nodes in each list fits well i
 MAX_NODES = 4096
 MAX_ADDR = 256
 MAX_INT = 2**63 - 1
+EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc).isoformat()  # a heartbeat long expired
 FIELDS = (
     "round",
     "complete",
@@ -226,6 +231,25 @@ class JsonBackend(RendezvousBackend):
         if current is None:
             return None
         return (*current, stored == desired)
+
+    def expire(self, dead: Callable[[list], bool]) -> int:
+        """Date back to EXPIRED the heartbeat of every node `dead([addr, pid, local id])` is
+        true of, so the handler drops them at its next sync; compare-and-set, tried again while
+        another process writes meanwhile. Returns how many nodes were marked."""
+        while True:
+            raw = self._call_store("get", self._key)
+            if raw == NO_STATE:
+                return 0
+            from_json(raw)  # well-formed, or StateError
+            doc = json.loads(raw)
+            beats = [pair for pair in doc["last_heartbeats"] if dead(pair[0])]
+            if not beats:
+                return 0
+            for pair in beats:
+                pair[1] = EXPIRED
+            new = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+            if self._call_store("compare_set", self._key, raw.decode(), new.decode()) == new:
+                return len(beats)
 
     def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
         if raw == NO_STATE:

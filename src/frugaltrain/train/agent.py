@@ -252,7 +252,7 @@ class Agent:
                 self._ping(done, leaving)  # before any restart: not into a lost run
                 if leaving:
                     return
-                supervisor.restart_failed(failed, procs, start, restarts, cfg, self.run_dir)
+                supervisor.restart_failed(failed, procs, start, restarts, cfg, self.run_dir, store)
         finally:
             for p in procs.values():
                 if p.is_alive():

@@ -36,7 +36,7 @@ from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.train.metrics_relay import MetricsRelay
-from frugaltrain.train.supervisor import close_rendezvous, group0_store
+from frugaltrain.train.supervisor import close_rendezvous, forget, group0_store
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
 # dead peer within seconds (gloo errors, heartbeats). The lease only frees the slots for the next
@@ -227,6 +227,9 @@ class Coordinator:
                 if freed:
                     why = "silent" if isinstance(e, TimeoutError) else "connection closed"
                     self.say(f"machine {machine.name} lost ({why}): slots {freed} are free")
+                    for slot in freed:  # the survivors need not wait out its keep-alives
+                        for shard in range(self.cfg.run.shards):
+                            forget(self.store, self.cfg, slot * self.cfg.run.shards + shard)
                 return
             self.metrics.add(machine.id, msg.get("metrics", []), self.slots.holders())
             if msg.get("finished"):

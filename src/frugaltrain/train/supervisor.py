@@ -34,6 +34,7 @@ from pathlib import Path
 import tomllib
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from frugaltrain.comm import rendezvous
 from frugaltrain.comm.faults import FaultyRuntime
@@ -123,7 +124,7 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
             while len(finished) < W * S:
                 time.sleep(0.1)
                 failed = exited(procs, finished, ft_store, cfg, run_dir)
-                restart_failed(failed, procs, start, restarts, cfg, run_dir)
+                restart_failed(failed, procs, start, restarts, cfg, run_dir, store)
                 if cfg.fault_tolerance.enabled:
                     _stop_stragglers_at_the_end(procs, finished, store, host, cfg)
         finally:
@@ -135,11 +136,18 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
 
 
 def restart_failed(
-    failed: list[int], procs: dict, start, restarts: dict[int, int], cfg: Config, run_dir: Path
+    failed: list[int],
+    procs: dict,
+    start,
+    restarts: dict[int, int],
+    cfg: Config,
+    run_dir: Path,
+    store: dist.Store,
 ) -> None:
     """Start the replicas of `failed` processes again, each at most
     fault_tolerance.max_restarts times (then WorkerFailed: a worker that keeps dying is more
-    likely a bug than a fault to ride out)."""
+    likely a bug than a fault to ride out). `store`: the run's, where the rendezvous is told
+    that the old processes are gone."""
     S = cfg.run.shards
     for replica in sorted({rank // S for rank in failed}):
         if restarts[replica] >= cfg.fault_tolerance.max_restarts:
@@ -147,10 +155,12 @@ def restart_failed(
             failure = failure_of(run_dir, rank, procs[rank].exitcode)
             raise WorkerFailed(f"{failure} after {restarts[replica]} restarts")
         restarts[replica] += 1
-        _restart(replica, failed, procs, start, restarts[replica], cfg)
+        _restart(replica, failed, procs, start, restarts[replica], cfg, store)
 
 
-def _restart(replica: int, failed: list[int], procs: dict, start, count: int, cfg: Config) -> None:
+def _restart(
+    replica: int, failed: list[int], procs: dict, start, count: int, cfg: Config, store
+) -> None:
     """Start a worker again: with shards, its whole replica (the siblings of a failed process
     are stopped first: a replica is trained by all its processes or by none)."""
     S = cfg.run.shards
@@ -167,8 +177,22 @@ def _restart(replica: int, failed: list[int], procs: dict, start, count: int, cf
         if procs[r].is_alive():
             procs[r].kill()
         procs[r].join()
+        forget(store, cfg, r, procs[r].pid)
     for r in ranks:
         start(r)
+
+
+def forget(store: dist.Store, cfg: Config, rank: int, pid: int | None = None) -> None:
+    """Tell the rendezvous that process `rank` (only its start `pid`, if given) is gone, so the
+    survivors drop it at their next sync instead of after its keep-alive expires. Best effort:
+    if the store cannot be reached, the keep-alive still expires."""
+    S = cfg.run.shards
+    replica, shard = divmod(rank, S)
+    name = rendezvous.node_name(replica)
+    try:
+        rendezvous.expire(store, name, pid, keys.namespace(shard, S))
+    except RendezvousError as e:
+        print(f"[launcher] could not mark {name} gone in the rendezvous: {e}", flush=True)
 
 
 def exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -> list[int]:
