@@ -110,34 +110,65 @@ def matrix_variants(args) -> dict[str, list[str]]:
 
 
 def matrix(args, tmp: str) -> list[dict]:
-    rows, variants = [], matrix_variants(args)
-    for strategy in args.strategies.split(","):
-        clean = run(variants[f"{strategy}-clean"], tmp, f"{strategy}-clean")
-        for fault in args.faults.split(","):
-            name = f"{strategy}-{fault}"
-            got = run(variants[name], tmp, name)
-            rows.append(
-                {
-                    "strategy": strategy,
-                    "fault": fault,
-                    "clean": clean,
-                    "faulted": got,
-                    "overhead": got["wall_s"] / clean["wall_s"],
-                    "loss_ratio": got["loss_val"] / clean["loss_val"],
-                }
-            )
-            print_row(rows[-1])
-    return rows
+    """Each strategy x fault, --reps times; a repetition runs the clean run, then every fault, so
+    each faulted run is compared with the clean run measured just before it."""
+    variants = matrix_variants(args)
+    rows = {
+        (s, f): {"strategy": s, "fault": f, "reps": []}
+        for s in args.strategies.split(",")
+        for f in args.faults.split(",")
+    }
+    for rep in range(args.reps):
+        for strategy in args.strategies.split(","):
+            clean = run(variants[f"{strategy}-clean"], tmp, f"{strategy}-clean-{rep}")
+            for fault in args.faults.split(","):
+                got = run(variants[f"{strategy}-{fault}"], tmp, f"{strategy}-{fault}-{rep}")
+                one = {"clean": clean, "faulted": got, "overhead": got["wall_s"] / clean["wall_s"]}
+                one["loss_ratio"] = got["loss_val"] / clean["loss_val"]
+                rows[strategy, fault]["reps"].append(one)
+                print_row(strategy, fault, one)
+    return list(rows.values())
 
 
-def print_row(row: dict) -> None:
-    f = row["faulted"]
+def print_row(strategy: str, fault: str, one: dict) -> None:
+    f = one["faulted"]
     print(
-        f"{row['strategy']:<10} {row['fault']:<10} {row['overhead']:8.2f}x "
-        f"{f['worker_rounds_lost']:6d} {f['recovery_s']:9.1f} {row['loss_ratio']:9.4f}  "
+        f"{strategy:<10} {fault:<10} {one['overhead']:8.2f}x "
+        f"{f['worker_rounds_lost']:6d} {f['recovery_s']:9.1f} {one['loss_ratio']:9.4f}  "
         f"left {f['left']} rejected {f['rejected']}",
         flush=True,
     )
+
+
+NAMES = {"fgd": "fgd (GlobalM1LocalM2)"}
+
+
+def _cell(reps: list[dict]) -> str:
+    """Median wall-time overhead [min-max], then the medians of worker-rounds lost, recovery per
+    worker and the final loss against the clean run's."""
+    over = [r["overhead"] for r in reps]
+    lost = statistics.median(r["faulted"]["worker_rounds_lost"] for r in reps)
+    rec = statistics.median(r["faulted"]["recovery_s"] for r in reps)
+    loss = statistics.median(r["loss_ratio"] for r in reps)
+    spread = f" [{min(over):.2f}-{max(over):.2f}]" if len(over) > 1 else ""
+    return f"{statistics.median(over):.2f}x{spread}, {lost:g} lost, {rec:.1f} s, {loss:.3f}"
+
+
+def table(result: dict) -> str:
+    """The matrix as Markdown: a row per strategy, a column per fault."""
+    rows = result["matrix"]
+    faults = list(dict.fromkeys(r["fault"] for r in rows))
+    head = {"partition": "partition 10 s", "stall": "stall 20 s", "corrupt": "corrupt 1e30"}
+    lines = [
+        "| strategy | " + " | ".join(head.get(f, f) for f in faults) + " |",
+        "|---" * (len(faults) + 1) + "|",
+    ]
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        cells = {r["fault"]: _cell(r["reps"]) for r in rows if r["strategy"] == strategy}
+        lines.append(
+            f"| {NAMES.get(strategy, strategy)} | " + " | ".join(cells[f] for f in faults) + " |"
+        )
+    return "\n".join(lines)
 
 
 def soak_spec(rounds: int, seed: int, workers: int) -> str:
@@ -188,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--faults", default="kill,hang,partition,stall,corrupt")
     ap.add_argument("--rounds", type=int, default=30, help="rounds per matrix run")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of every matrix cell")
     ap.add_argument("--sleep", type=float, default=0.1, help="seconds slept per inner step")
     ap.add_argument("--soak-rounds", type=int, default=200, help="0: no soak")
     ap.add_argument("--soak-strategy", default="diloco", choices=list(STRATEGIES))
@@ -213,8 +245,7 @@ def main(argv: list[str] | None = None) -> None:
             result["soak"] = soak(args, tmp)
     provenance.finish(result)
     if result.get("matrix"):
-        over = [r["overhead"] for r in result["matrix"]]
-        print(f"overhead median {statistics.median(over):.2f}x, max {max(over):.2f}x")
+        print(table(result))
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
 
