@@ -290,6 +290,43 @@ ENERGY_H100 = (
 )
 
 
+def _kind(f: dict, kind: str) -> list[dict]:
+    return [r for r in f["records"] if r["kind"] == kind]
+
+
+def energy_h100_windows(files: list[dict]) -> str:
+    """The NVML counter's energy over power x time, by window length: how short a window reads
+    (the range over the windows that read, to two decimals where it reaches under 1)."""
+    lines = ["| window | unavailable | E/(P·t) |", "| --- | --- | --- |"]
+    for r in _kind(files[0], "granularity"):
+        w, got = r["window_s"], r["energy_over_p_t"]
+        window = f"{1000 * w:g} ms" if w < 0.1 else f"{w:g} s"
+        d = 2 if min(got) < 1 else 1
+        reads = f"{min(got):.{d}f}–{max(got):.{d}f}"
+        if len(got) == 1:
+            reads = f"{got[0]:.1f} (the one window that read)"
+        lines.append(
+            f"| {window} | {r['unavailable']} of {r['unavailable'] + len(got)} | {reads} |"
+        )
+    return "\n".join(lines)
+
+
+def energy_h100_kernels(files: list[dict]) -> str:
+    """The energy roofline's two microbenchmarks: dynamic energy (above idle) per FLOP and per
+    byte."""
+    gemm, copy = _kind(files[0], "roofline_gemm")[0], _kind(files[0], "roofline_copy")[0]
+    return "\n".join(
+        [
+            "| kernel | throughput | energy |",
+            "| --- | --- | --- |",
+            f"| GEMM | {gemm['flops_per_s'] / 1e12:.0f} TFLOP/s "
+            f"| {1e12 * gemm['dynamic_joules'] / gemm['flops']:.2f} pJ/FLOP dynamic (above idle) |",
+            f"| 1 GiB copy | {copy['bytes_per_s'] / 1e12:.2f} TB/s "
+            f"| {1e9 * copy['dynamic_joules'] / copy['bytes']:.3f} nJ/B dynamic |",
+        ]
+    )
+
+
 def energy_h100(files: list[dict]) -> str:
     """The H100 sweep's models, 70/30 by architecture, each against its target."""
     f = files[0]
@@ -1038,6 +1075,8 @@ TABLES = {
     ),
     "energy-cpu-sweep": Table("docs/energy.md", ("energy_cpu_sweep.json",), energy_cpu_sweep),
     "energy-h100": Table("docs/energy.md", ("energy_gpu_h100_summary.json",), energy_h100),
+    "energy-h100-windows": Table("docs/energy.md", ("energy_gpu_h100.jsonl",), energy_h100_windows),
+    "energy-h100-kernels": Table("docs/energy.md", ("energy_gpu_h100.jsonl",), energy_h100_kernels),
     "data-prep": Table("docs/data.md", ("data_prep.json",), lambda f: data_prep_table(f[0])),
     "flow-runs": Table("docs/flow.md", flow_tables.VLM_FILES, flow_tables.vlm_runs),
     "flow-idle": Table("docs/flow.md", flow_tables.VLM_FILES[:2], flow_tables.vlm_idle),
@@ -1188,13 +1227,20 @@ def _span(name: str) -> re.Pattern:
     )
 
 
+def _read(path: Path) -> dict:
+    """A result file's JSON; a .jsonl file of records as {"records": [...]}."""
+    if path.suffix == ".jsonl":
+        return {"records": [json.loads(line) for line in path.read_text().splitlines() if line]}
+    return json.loads(path.read_text())
+
+
 def regenerate(text: str, name: str, table: Table, results: Path = RESULTS) -> str:
     """`text` with table `name` written anew between its markers (ValueError without them),
     indented as the closing marker is (a table inside a list item)."""
     span = _span(name)
     if not span.search(text):
         raise ValueError(f"{table.doc}: no markers for table {name!r}; add them around it")
-    files = [json.loads(((ROOT if "/" in f else results) / f).read_text()) for f in table.files]
+    files = [_read((ROOT if "/" in f else results) / f) for f in table.files]
     body = table.render(files) + "\n"
     return span.sub(lambda m: m.group(1) + textwrap.indent(body, m.group(4)) + m.group(3), text)
 
