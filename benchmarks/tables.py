@@ -1123,6 +1123,11 @@ TABLES = {
         ("time_to_loss_flagship.json",),
         lambda f: time_to_loss_table(f[0]),
     ),
+    "time-to-loss-flagship-plan": Table(
+        "docs/results/time_to_loss.md",
+        ("time_to_loss_flagship.json",),
+        lambda f: time_to_loss_plan(f[0]),
+    ),
     "fgd-corpora": Table(
         "docs/results/fgd.md", ("fgd_corpora_base.json", "fgd_corpora_4x.json"), fgd_corpora
     ),

@@ -7,8 +7,8 @@ depend on whether the others are blocked.
         --seeds 0,1,2 --out benchmarks/results/time_to_loss.json
     python benchmarks/time_to_loss.py --table JSON              # the tables and the PNG again
     python benchmarks/time_to_loss.py --resimulate JSON [CASE]  # the simulator's curves again
-    python benchmarks/time_to_loss.py --penalties JSON src/frugaltrain/sim/penalties.json
-                                      # the planner's step penalties (`frugaltrain plan`)
+    python benchmarks/time_to_loss.py --penalties src/frugaltrain/sim/penalties.json
+                      # the planner's step penalties (`frugaltrain plan`), from PENALTY_FILES
     python benchmarks/time_to_loss.py --check-against JSON  # the planner against the runs
 
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
@@ -44,6 +44,7 @@ from frugaltrain.config import load_config, to_toml
 from frugaltrain.metrics.log import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 BASELINE = "diloco"
 METHODS = {  # name -> (example config, extra overrides)
     "diloco": ("diloco", []),
@@ -381,51 +382,77 @@ def outer_table(method: str) -> dict:
     return table
 
 
-def penalties(record: dict) -> dict:
-    """The planner's table (src/frugaltrain/sim/penalties.json): per method, its [outer] table
-    as its example ships it (with the variant's overrides; H is the run's own) and the fraction
+PENALTY_FILES = ("time_to_loss.json", "time_to_loss_flagship.json")
+"""The results the planner's penalties come from (under benchmarks/results/), in order: a method
+measured in more than one takes the first's."""
+SAME_SETUP = ("data", "tuned_on", "steps", "H", "seeds")
+
+
+def penalties(files: list[tuple[str, dict]]) -> dict:
+    """The planner's table (src/frugaltrain/sim/penalties.json) from results files, (path,
+    record) each, all of one setup: per method, its [outer] table as its example ships it (with
+    the variant's overrides; H is the run's own), the file it was measured in and the fraction
     of DiLoCo's steps it needs to reach DiLoCo's final loss: the mean over seeds. A seed's curve
     is the same in every case (its losses do not depend on the links), so each seed counts once:
     reached if any case's run reached it, else "not reached", or "stopped" (at the budget,
     before all its steps) with the fraction it had run."""
+    first = files[0][1]
+    for path, record in files[1:]:
+        for key in SAME_SETUP:
+            if record[key] != first[key]:
+                raise ValueError(f"{path}: {key} = {record[key]!r}, not {first[key]!r}: "
+                                 "penalties must come from one setup")  # fmt: skip
     methods = {}
-    for m in record["methods"]:
-        seeds = {}
-        for seed, got in sorted(_steps_to(record, m).items()):
-            reached = [g for g in got if isinstance(g, float)]
-            stopped = [g[1] for g in got if isinstance(g, tuple)]
-            if reached:
-                seeds[str(seed)] = statistics.mean(reached)
-            elif "not reached" in got:
-                seeds[str(seed)] = "not reached"
-            else:
-                seeds[str(seed)] = f"stopped by the budget at {max(stopped):.2f} of the steps"
-        fractions = [v for v in seeds.values() if isinstance(v, float)]
-        example, extra = METHODS[m]
-        methods[m] = {
-            "example": f"examples/{example}.toml",
-            "overrides": extra,
-            "outer": outer_table(m),
-            "steps_fraction": statistics.mean(fractions) if fractions else None,
-            "reached": f"{len(fractions)}/{len(seeds)}",
-            "seeds": seeds,
-        }
+    for path, record in files:
+        for m in record["methods"]:
+            if m not in methods:
+                methods[m] = {**_penalty(record, m), "source": path}
     base = load_config(*overrides(BASELINE, []))
     return {
         "kind": "measured",
-        "source": "benchmarks/results/time_to_loss.json",
-        "date": record["date"],
-        "measured_on": record["data"],
-        "tuned_on": record["tuned_on"],
+        "source": ", ".join(path for path, _ in files),
+        "date": max(record["date"] for _, record in files),
+        "measured_on": first["data"],
+        "tuned_on": first["tuned_on"],
         "workers": base.run.workers,
-        "steps": record["steps"],
-        "H": record["H"],
-        "seeds": record["seeds"],
+        "steps": first["steps"],
+        "H": first["H"],
+        "seeds": first["seeds"],
         "rule": "fraction of DiLoCo's steps at which the method's validation loss first reached "
         "DiLoCo's final one (same case and seed, linear between evaluations), mean over the "
         "seeds that reached it",
         "methods": methods,
     }
+
+
+def _penalty(record: dict, m: str) -> dict:
+    """Method `m`'s entry of the planner's table from one results file."""
+    seeds = {}
+    for seed, got in sorted(_steps_to(record, m).items()):
+        reached = [g for g in got if isinstance(g, float)]
+        stopped = [g[1] for g in got if isinstance(g, tuple)]
+        if reached:
+            seeds[str(seed)] = statistics.mean(reached)
+        elif "not reached" in got:
+            seeds[str(seed)] = "not reached"
+        else:
+            seeds[str(seed)] = f"stopped by the budget at {max(stopped):.2f} of the steps"
+    fractions = [v for v in seeds.values() if isinstance(v, float)]
+    example, extra = METHODS[m]
+    return {
+        "example": f"examples/{example}.toml",
+        "overrides": extra,
+        "outer": outer_table(m),
+        "steps_fraction": statistics.mean(fractions) if fractions else None,
+        "reached": f"{len(fractions)}/{len(seeds)}",
+        "seeds": seeds,
+    }
+
+
+def penalty_files(results: Path = RESULTS) -> list[tuple[str, dict]]:
+    """PENALTY_FILES as `penalties` takes them (paths relative to the repository)."""
+    return [(f"benchmarks/results/{name}", json.loads((results / name).read_text()))
+            for name in PENALTY_FILES]  # fmt: skip
 
 
 def plan_cases(record: dict) -> list[dict]:
@@ -521,9 +548,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--resimulate"]:
         resimulate(Path(sys.argv[2]), sys.argv[3:])
     elif sys.argv[1:2] == ["--penalties"]:
-        out = Path(sys.argv[3])
-        out.write_text(json.dumps(penalties(json.loads(Path(sys.argv[2]).read_text())), indent=1)
-                       + "\n")  # fmt: skip
+        out = Path(sys.argv[2])
+        out.write_text(json.dumps(penalties(penalty_files()), indent=1) + "\n")
         print(f"wrote {out}")
     elif sys.argv[1:2] == ["--check-against"]:
         print(check_against(json.loads(Path(sys.argv[2]).read_text())))

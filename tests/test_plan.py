@@ -331,13 +331,25 @@ def _benchmark():
 
 def test_packaged_penalties_are_what_the_results_give():
     bench = _benchmark()
-    record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
-    # The planner offers only methods the benchmark measured in this file (each needs a penalty);
-    # the benchmark may measure more (the flagship's own run is in another file).
-    assert set(AUTO_METHODS) <= set(bench.METHODS) and set(AUTO_METHODS) <= set(record["methods"])
-    assert load_penalties() == json.loads(json.dumps(bench.penalties(record)))
+    files = bench.penalty_files()
+    # The planner offers only methods the benchmark measured in these files (each needs a
+    # penalty); each method's penalty comes from the first file that measured it.
+    measured = {m for _, record in files for m in record["methods"]}
+    assert set(AUTO_METHODS) <= set(bench.METHODS) and set(AUTO_METHODS) <= measured
+    pen = load_penalties()
+    assert pen == json.loads(json.dumps(bench.penalties(files)))
+    assert pen["methods"]["GlobalM1LocalM2-int8"]["source"].endswith("time_to_loss_flagship.json")
+    assert pen["methods"]["GlobalM1LocalM2"]["source"].endswith("time_to_loss.json")
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "sim/penalties.json" in pyproject["tool"]["setuptools"]["package-data"]["frugaltrain"]
+
+
+def test_penalties_refuse_results_of_another_setup():
+    bench = _benchmark()
+    files = bench.penalty_files()
+    path, other = files[1]
+    with pytest.raises(ValueError, match="steps = 100"):
+        bench.penalties([files[0], (path, {**other, "steps": 100})])
 
 
 def test_check_against_the_measurements_prints_every_case():

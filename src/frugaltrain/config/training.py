@@ -44,6 +44,7 @@ AUTO_METHODS = (
     "noloco",
     "GlobalM1",
     "GlobalM1LocalM2",
+    "GlobalM1LocalM2-int8",
     "subset",
     "ddp",
 )
