@@ -33,7 +33,7 @@ from frugaltrain.comm.auth import Channel, Refused, connect, read_token
 from frugaltrain.comm.gateway import StoreTunnel
 from frugaltrain.config import Config, ConfigError, build_config, read_toml, to_dict, to_toml
 from frugaltrain.metrics.log import keep_until_step
-from frugaltrain.train import checkpoint, supervisor
+from frugaltrain.train import checkpoint, run_store, supervisor
 from frugaltrain.train.coordinator import LEASE_S, PING_S
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
@@ -221,7 +221,7 @@ class Agent:
         cfg, S = self.cfg, self.cfg.run.shards
         timeout = timedelta(seconds=max(60.0, cfg.run.timeout_s))
         store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
-        ft_store = supervisor.group0_store(store, cfg)
+        ft_store = run_store.group0_store(store, cfg)
         ranks = [slot * S + s for slot in self.slots for s in range(S)]
         ctx = mp.get_context("spawn")
         args = (to_toml(cfg), str(self.run_dir), "127.0.0.1", self.tunnel.port)

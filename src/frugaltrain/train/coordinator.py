@@ -36,7 +36,7 @@ from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.train.metrics_relay import MetricsRelay
-from frugaltrain.train.supervisor import close_rendezvous, forget, group0_store
+from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
 # dead peer within seconds (gloo errors, heartbeats). The lease only frees the slots for the next

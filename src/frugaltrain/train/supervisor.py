@@ -34,9 +34,7 @@ from pathlib import Path
 import tomllib
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousError
 
-from frugaltrain.comm import rendezvous
 from frugaltrain.comm.faults import FaultyRuntime
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
@@ -45,6 +43,7 @@ from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.step import worker_threads
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
+from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
 from frugaltrain.train.sharding import build_layout, shards_of
 
 MMAP_THRESHOLD = "131072"  # bytes: glibc returns every freed block this large to the system
@@ -74,19 +73,6 @@ def environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def group0_store(store: dist.Store, cfg: Config) -> dist.Store:
-    """Shard group 0's fault-tolerant world in the run's store: where the run's end is kept."""
-    S = cfg.run.shards
-    return dist.PrefixStore(keys.namespace(0, S), store) if S > 1 else store
-
-
-def close_rendezvous(host: str, port: int, cfg: Config) -> None:
-    """Close every shard group's rendezvous: training is over, a process still waiting to
-    join exits."""
-    for s in range(cfg.run.shards):
-        rendezvous.close(host, port, cfg.run.workers, keys.namespace(s, cfg.run.shards))
 
 
 def backend(cfg: Config) -> str:
@@ -180,19 +166,6 @@ def _restart(
         forget(store, cfg, r, procs[r].pid)
     for r in ranks:
         start(r)
-
-
-def forget(store: dist.Store, cfg: Config, rank: int, pid: int | None = None) -> None:
-    """Tell the rendezvous that process `rank` (only its start `pid`, if given) is gone, so the
-    survivors drop it at their next sync instead of after its keep-alive expires. Best effort:
-    if the store cannot be reached, the keep-alive still expires."""
-    S = cfg.run.shards
-    replica, shard = divmod(rank, S)
-    name = rendezvous.node_name(replica)
-    try:
-        rendezvous.expire(store, name, pid, keys.namespace(shard, S))
-    except RendezvousError as e:
-        print(f"[launcher] could not mark {name} gone in the rendezvous: {e}", flush=True)
 
 
 def exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -> list[int]:
