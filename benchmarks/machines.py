@@ -304,12 +304,38 @@ def state_bytes(run_dir: Path) -> int:
     return len(statewire.encode(state))
 
 
+class PeakMemory(threading.Thread):
+    """The peak resident and private memory (MB) of one process, read from its
+    /proc/PID/smaps_rollup every 0.5 s until it exits or `done` is set."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.path, self.done = Path(f"/proc/{pid}/smaps_rollup"), threading.Event()
+        self.rss_mb = self.private_mb = 0.0
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            try:
+                text = self.path.read_text()
+            except OSError:  # it has exited
+                return
+            kb = {k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", text, re.M)}
+            self.rss_mb = max(self.rss_mb, kb["Rss"] / 1024)
+            private = (kb["Private_Clean"] + kb["Private_Dirty"]) / 1024
+            self.private_mb = max(self.private_mb, private)
+
+
 def clean_run(lab: NetLab, root: Path, args: argparse.Namespace) -> dict:
-    """No events: the reference (its records give the baseline round times)."""
+    """No events: the reference (its records give the baseline round times), and the
+    coordinator's peak memory while it runs."""
     c = Cluster(lab, root, run_sets(args))
     try:
         c.up(args.machines, args.timeout)
+        memory = PeakMemory(c.procs["coordinator"].pid)  # ip netns exec, sh and env all exec
+        memory.start()
         c.finish(["coordinator", *(f"m{i}" for i in range(1, args.machines + 1))], args.timeout)
+        memory.done.set()
+        memory.join()
     finally:
         c.close()
     records = c.records()
@@ -325,6 +351,8 @@ def clean_run(lab: NetLab, root: Path, args: argparse.Namespace) -> dict:
         ),
         "state_bytes": state_bytes(root / f"m{c.holder[0]}"),
         "baseline": base,
+        "coordinator_rss_mb": memory.rss_mb,
+        "coordinator_private_mb": memory.private_mb,
     }
 
 
@@ -450,6 +478,8 @@ def coordinator_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: di
 FIGURES = (  # (key in a repetition, event, what it is, format); all measured but COUNTED
     ("clean.round_s", "clean run", "wall clock per round, s", ".3f"),
     ("clean.loss_val", "clean run", "final validation loss", ".4f"),
+    ("clean.coordinator_rss_mb", "clean run", "coordinator's peak resident memory, MB", ".0f"),
+    ("clean.coordinator_private_mb", "clean run", "coordinator's peak private memory, MB", ".0f"),
     ("machine_loss.lost_s", "machine loss", "survivors' time lost, s", ".2f"),
     ("machine_loss.survivor_restarts", "machine loss", "survivor processes restarted", "d"),
     ("join.join_s", "join", "agent start to its first round as a member, s", ".1f"),
