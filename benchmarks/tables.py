@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import flow_tables  # noqa: E402
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
 from data_prep import table as data_prep_table  # noqa: E402
+from faults import table as faults_table  # noqa: E402
 from fgd_corpora import table as corpora_table  # noqa: E402
 from fgd_tables import TARGETS as FGD_TARGETS  # noqa: E402
 from fgd_tables import e1 as fgd_e1  # noqa: E402
@@ -1045,6 +1046,7 @@ TABLES = {
         "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_plan(f[0])
     ),
     "machines": Table("docs/multihost.md", ("machines.json",), lambda f: machines_table(f[0])),
+    "faults-matrix": Table("docs/reliability.md", ("faults.json",), lambda f: faults_table(f[0])),
     "link-probe": Table(
         "docs/results/netlab.md", ("link_probe.json",), lambda files: link_probe_table(files[0])
     ),

@@ -17,9 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 REQUIRED = ("command", "kind", "machine", "date")
 
-# Superseded by faults.json (written by benchmarks/provenance.py); deleted when its rerun lands.
-SKIPPED = frozenset({"faults_soak.json"})
-
 # Older runs that recorded each run's temporary directory (tempfile.mkdtemp, under /tmp) in
 # its overrides, runs[].sets: "run.out_dir='/tmp/tmp...'". Kept as they were run.
 TMP_RUN_DIRS = frozenset(
@@ -82,7 +79,7 @@ def _kinds() -> tuple[str, ...]:
 
 
 def _result_files() -> list[Path]:
-    return sorted(p for p in RESULTS.glob("*.json") if p.name not in SKIPPED)
+    return sorted(RESULTS.glob("*.json"))
 
 
 def _load(path: Path) -> object:
