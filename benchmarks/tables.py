@@ -1131,7 +1131,9 @@ TABLES = {
         lambda f: time_to_loss_plan(f[0]),
     ),
     "fgd-corpora": Table(
-        "docs/results/fgd.md", ("fgd_corpora_base.json", "fgd_corpora_4x.json"), fgd_corpora
+        "docs/results/fgd.md",
+        ("fgd_corpora_base.json", "fgd_corpora_4x.json", "fgd_corpora_4x_flagship.json"),
+        fgd_corpora,
     ),
     "fgd-late": Table("docs/results/fgd.md", ("fgd_late_probe.json",), fgd_corpora),
     "flow-profile-check": Table(
@@ -1197,6 +1199,9 @@ TABLES = {
         )
     ),
     "forge-states-loss": Table("docs/forge.md", ("forge_states_loss.json",), forge_states_loss),
+    "forge-states-loss-2threads": Table(
+        "docs/forge.md", ("forge_states_loss_2threads.json",), forge_states_loss
+    ),
     "forge-memory": Table(
         "docs/forge.md", ("forge_memory.json", "forge_memory_85M_4096.json"), forge_memory
     ),
