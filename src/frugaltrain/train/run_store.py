@@ -37,4 +37,4 @@ def forget(store: dist.Store, cfg: Config, rank: int, pid: int | None = None) ->
     try:
         rendezvous.expire(store, name, pid, keys.namespace(shard, S))
     except RendezvousError as e:
-        print(f"[launcher] could not mark {name} gone in the rendezvous: {e}", flush=True)
+        print(f"[rendezvous] could not mark {name} gone: {e}", flush=True)
