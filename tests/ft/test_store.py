@@ -1,0 +1,133 @@
+"""comm/store.py: torch's TCPStore client gets from our server exactly what torch's own server
+answers, waits end when the last key is written, a client that breaks the protocol is cut off
+while the others go on, and gloo forms a group over it."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from frugaltrain.comm.store import MAGIC, MAX_KEY, PrefixView, Query, StoreServer
+
+
+def _client(port: int, timeout_s: float = 10.0) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+@pytest.fixture
+def server():
+    s = StoreServer().listen()
+    yield s
+    s.close()
+
+
+def _session(store: dist.Store) -> list:
+    """Every query the server serves, with the answers a caller sees."""
+    out = []
+    store.set("a", "1")
+    out.append(store.get("a"))
+    out += [store.add("n", 3), store.add("n", -5), store.get("n")]
+    out += [store.check(["a"]), store.check(["a", "nothing"])]
+    out += [
+        store.compare_set("k", "", "v"),  # missing, nothing expected: set
+        store.compare_set("k", "x", "w"),  # present, not as expected: kept
+        store.compare_set("k", "v", "w"),  # as expected: set
+        store.compare_set("gone", "e", "d"),  # missing, something expected: that comes back
+        store.check(["gone"]),
+    ]
+    store.multi_set(["m1", "m2"], ["x", b"\x00\xff"])
+    out.append(store.multi_get(["m1", "m2", "a"]))
+    store.append("a", "23")
+    store.append("fresh", "z")
+    out += [store.get("a"), store.get("fresh")]
+    out += [store.num_keys(), store.delete_key("m1"), store.delete_key("m1"), store.num_keys()]
+    big = bytes(range(256)) * 4096  # 1 MiB
+    store.set("big", big)
+    out.append(store.get("big") == big)
+    return out
+
+
+def test_answers_equal_torchs_own_server(server):
+    theirs = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    assert _session(_client(server.port)) == _session(_client(theirs.port))
+
+
+def test_in_process_calls_see_what_clients_wrote(server):
+    c = _client(server.port)
+    c.set("x/y", "1")
+    assert server.get("x/y") == b"1" and server.check(["x/y"]) and not server.check(["y"])
+    view = PrefixView("x", server)
+    assert view.get("y") == b"1"
+    view.set("z", b"2")
+    assert dist.PrefixStore("x", c).get("z") == b"2"
+    assert view.compare_set("z", "2", "3") == b"3" and c.get("x/z") == b"3"
+    assert view.add("count", 4) == 4 and c.add("x/count", 1) == 5
+    with pytest.raises(KeyError):
+        server.get("missing")
+
+
+def test_a_wait_ends_when_its_last_key_is_written(server):
+    waiter, writer = _client(server.port), _client(server.port)
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(waiter.wait, ["p", "q"], timedelta(seconds=30))
+        writer.set("p", "1")
+        assert not done.done()  # q is still missing
+        server.set("q", "2")  # a write in process wakes a client's wait too
+        assert done.result(timeout=30) is None
+    with pytest.raises(dist.DistStoreError):  # timed out: the client cancels its wait
+        waiter.wait(["never"], timedelta(milliseconds=200))
+    assert waiter.get("p") == b"1"  # and the connection still answers in order
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    """Send `data` on a fresh connection; what comes back before the server closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        return b"".join(iter(lambda: s.recv(4096), b""))
+
+
+def test_a_client_that_breaks_the_protocol_is_cut_off(server):
+    good = _client(server.port)
+    hello = bytes([Query.VALIDATE]) + struct.pack("<I", MAGIC)
+    get_x = bytes([Query.GET]) + struct.pack("<Q", 1) + b"x"
+    assert _raw(server.port, bytes([Query.VALIDATE]) + struct.pack("<I", 1) + get_x) == b""
+    long_key = bytes([Query.SET]) + struct.pack("<Q", MAX_KEY + 1)
+    assert _raw(server.port, hello + long_key) == b""
+    assert _raw(server.port, hello + bytes([Query.BARRIER])) == b""
+    assert _raw(server.port, hello + bytes([Query.PING]) + b"abcd") == b"abcd"
+    assert [d.split(",")[0] for d in server.dropped] == [
+        "the connection did not open with TCPStore's magic number",
+        f"a {MAX_KEY + 1}-byte key or value",
+        "query BARRIER is not served by this store",
+    ]
+    good.set("still", "here")
+    assert good.get("still") == b"here"
+
+
+def test_gloo_forms_a_group_over_it(server):
+    def member(rank: int) -> torch.Tensor:
+        store = dist.PrefixStore("group", _client(server.port))
+        pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+        t = torch.tensor([float(rank + 1)])
+        pg.allreduce([t]).wait()
+        return t
+
+    results: list[torch.Tensor] = [torch.zeros(1)] * 2
+
+    def run(r: int) -> None:
+        results[r] = member(r)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [t.item() for t in results] == [3.0, 3.0]
