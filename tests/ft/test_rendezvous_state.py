@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+from frugaltrain.comm import rendezvous_json
+from frugaltrain.comm.ft import keys
 from frugaltrain.comm.rendezvous_state import JsonBackend, StateError, from_json, to_json
+from frugaltrain.comm.store import StoreServer
 
 
 @pytest.fixture
@@ -121,29 +124,57 @@ def test_the_handler_pickle_is_read_with_only_the_state_classes(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_expire_dates_back_only_the_chosen_nodes(store):
-    backend = JsonBackend(store, "run")
-    assert backend.expire(lambda node: True) == 0  # no state yet: nothing to mark
+def _run_state(server: dist.Store) -> JsonBackend:
+    """The state the workers' handlers keep in the run's store (comm/rendezvous.py)."""
+    return JsonBackend(dist.PrefixStore(keys.RENDEZVOUS, server), rendezvous_json.RUN_ID)
+
+
+def test_expire_dates_back_only_the_chosen_nodes():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    backend = _run_state(server)
+    assert rendezvous_json.expire(server, "worker1") == 0  # no state yet: nothing to mark
     backend.set_state(pickle.dumps(_state()))
-    before = from_json(store.get("frugaltrain.rendezvous.json.run"))
-    assert backend.expire(lambda node: node[0] == "worker1" and node[1] == 1001) == 1
-    after = from_json(store.get("frugaltrain.rendezvous.json.run"))
+    before = pickle.loads(backend.get_state()[0])
+    assert rendezvous_json.expire(server, "worker1", pid=1001) == 1
+    after = pickle.loads(backend.get_state()[0])
     gone = _NodeDesc("worker1", 1001, 1)
     assert after.last_heartbeats[gone] == datetime(1970, 1, 1, tzinfo=timezone.utc)
     assert {n: t for n, t in after.last_heartbeats.items() if n != gone} == {
         n: t for n, t in before.last_heartbeats.items() if n != gone
     }
     assert after.participants == before.participants  # the handler drops it, not expire
-    assert backend.expire(lambda node: node[0] == "worker7") == 0
+    assert rendezvous_json.expire(server, "worker7") == 0
+    assert rendezvous_json.expire(server, "worker1", pid=1002) == 0  # another process
+
+
+def test_close_sets_only_closed():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    backend = _run_state(server)
+    rendezvous_json.close(server)  # nobody joined yet: a closed empty state
+    assert vars(pickle.loads(backend.get_state()[0])) == vars(_closed(_RendezvousState()))
+    server.set(f"{keys.RENDEZVOUS}/{rendezvous_json.state_key(rendezvous_json.RUN_ID)}", "null")
+    backend.set_state(pickle.dumps(_state()))
+    rendezvous_json.close(server)
+    assert _same(pickle.loads(backend.get_state()[0]), _closed(_state()))
+    token = backend.get_state()[1]
+    rendezvous_json.close(server)  # closed already: nothing written
+    assert backend.get_state()[1] == token
+
+
+def _closed(state: _RendezvousState) -> _RendezvousState:
+    state.closed = True
+    return state
 
 
 def test_an_expired_member_is_dropped_at_the_next_sync():
-    """Two members form a round; the second is then known to be gone. Marked with
-    rendezvous.expire, the first drops it at its next sync; unmarked, its keep-alive would keep
-    it in until its keep-alive expires (30 s here, so a slow machine cannot flake the test)."""
+    """Two members form a round on the coordinator's store (comm/store.py, no torch); the
+    second is then known to be gone. Marked with rendezvous_json.expire, the first drops it at
+    its next sync; unmarked, its keep-alive would keep it in until its keep-alive expires (30 s
+    here, so a slow machine cannot flake the test). Closed, a process asking to join is told
+    so."""
     from frugaltrain.comm import rendezvous
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    server = StoreServer().listen()
     made = [
         rendezvous._handler("127.0.0.1", server.port, 2, f"worker{w}", 10.0, 30.0) for w in (0, 1)
     ]
@@ -159,9 +190,14 @@ def test_an_expired_member_is_dropped_at_the_next_sync():
         return {n.addr for n in holder.state.participants}
 
     assert names() == {"worker0", "worker1"}  # fresh keep-alives: nobody dropped
-    assert rendezvous.expire(server, "worker1", pid=os.getpid() + 1) == 0  # another process
+    assert rendezvous_json.expire(server, "worker1", pid=os.getpid() + 1) == 0  # another process
     assert names() == {"worker0", "worker1"}
-    assert rendezvous.expire(server, "worker1") == 1
+    assert rendezvous_json.expire(server, "worker1") == 1
     assert names() == {"worker0"}
-    for h in handlers:
+    rendezvous_json.close(server)
+    late, _, _ = rendezvous._handler("127.0.0.1", server.port, 2, "worker1", 10.0, 30.0)
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
+    for h in [*handlers, late]:
         h.shutdown()
+    server.close()

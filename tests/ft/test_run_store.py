@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from frugaltrain.comm import rendezvous
+from frugaltrain.comm import rendezvous_json
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.rendezvous_state import JsonBackend, from_json
 from frugaltrain.config import Config, build_config
@@ -23,7 +23,7 @@ def _group(store: dist.Store, shard: int, shards: int) -> JsonBackend:
     """Shard group `shard`'s rendezvous state, as the workers' handlers keep it."""
     space = keys.namespace(shard, shards)
     scoped = dist.PrefixStore(space, store) if space else store
-    return JsonBackend(dist.PrefixStore(keys.RENDEZVOUS, scoped), rendezvous.RUN_ID)
+    return JsonBackend(dist.PrefixStore(keys.RENDEZVOUS, scoped), rendezvous_json.RUN_ID)
 
 
 def _beats(backend: JsonBackend) -> dict[tuple[str, int], datetime]:

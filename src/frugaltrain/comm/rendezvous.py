@@ -47,9 +47,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from frugaltrain.comm.ft import keys
+from frugaltrain.comm.rendezvous_json import RUN_ID, node_name
 from frugaltrain.comm.rendezvous_state import JsonBackend
 
-RUN_ID = "frugaltrain"
 # The handler polls the rendezvous state once a second while it waits, and a waiting node
 # refreshes its keep-alive only between polls. So a node counts as dead after at least 3 s
 # without one (less would drop nodes that are only waiting), and the last call is longer than
@@ -83,11 +83,6 @@ class _Backend(JsonBackend):
     def set_state(self, state: bytes, token=None):
         self._check()
         return super().set_state(state, token)
-
-
-def node_name(worker: int) -> str:
-    """A worker's address in the rendezvous (every incarnation's; the pid tells them apart)."""
-    return f"worker{worker}"
 
 
 def _handler(
@@ -242,21 +237,3 @@ class Membership:
     def cut(self, on: bool) -> None:
         """An injected partition: this worker's keep-alives fail while `on`."""
         (self.backend.cut.set if on else self.backend.cut.clear)()
-
-
-def expire(store: dist.Store, name: str, pid: int | None = None, namespace: str = "") -> int:
-    """Have the others drop `name`'s rendezvous nodes (only process `pid`'s, if given) at their
-    next sync: the process is known to be gone (it exited, or its machine's channel closed), so
-    nobody waits out its keep-alive (MIN_EXPIRY_S) first. `store`: the run's store. Returns how
-    many nodes were marked."""
-    if namespace:
-        store = dist.PrefixStore(namespace, store)
-    backend = JsonBackend(dist.PrefixStore(keys.RENDEZVOUS, store), RUN_ID)
-    return backend.expire(lambda node: node[0] == name and pid in (None, node[1]))
-
-
-def close(host: str, port: int, world_size: int, namespace: str = "") -> None:
-    """Close the run's rendezvous (the launcher, once training is over): a restarted worker
-    still waiting to join is told so and exits. `namespace`: a shard group's."""
-    handler, _, _ = _handler(host, port, world_size, "launcher", 10.0, 1.0, namespace=namespace)
-    handler.set_closed()

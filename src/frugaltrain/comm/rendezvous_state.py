@@ -19,16 +19,14 @@ The store's value is `null` until the first state is written ("no state yet": ge
 None). A value that is not a well-formed state raises `StateError` (a RendezvousStateError and a
 ValueError) with one line saying what is wrong.
 
-`JsonBackend.expire` marks nodes known to be gone (a process that exited, a machine whose
-channel closed) as dead at once, instead of after their keep-alive runs out.
+The JSON itself (its fields, their checks, and the changes made to it without a handler) is
+comm/rendezvous_json.py, which needs no torch.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import pickle
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -44,25 +42,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-NO_STATE = b"null"
-MAX_STATE_BYTES = 4 << 20  # a state of MAX_NODES nodes in each list fits well inside
-MAX_NODES = 4096
-MAX_ADDR = 256
-MAX_INT = 2**63 - 1
-EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc).isoformat()  # a heartbeat long expired
-FIELDS = (
-    "round",
-    "complete",
-    "deadline",
-    "closed",
-    "participants",
-    "wait_list",
-    "redundancy_list",
-    "last_heartbeats",
-)
+from frugaltrain.comm import rendezvous_json
+
+NO_STATE = rendezvous_json.NO_STATE
+FIELDS = rendezvous_json.FIELDS
 
 
-class StateError(RendezvousStateError, ValueError):
+class StateError(RendezvousStateError, rendezvous_json.StateError):
     """The store holds something that is not a well-formed rendezvous state."""
 
 
@@ -105,7 +91,7 @@ def to_json(state_bits: bytes) -> bytes:
         "redundancy_list": [_node(n) for n in sorted(state.redundancy_list)],
         "last_heartbeats": [[_node(n), _time(t)] for n, t in state.last_heartbeats.items()],
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return rendezvous_json.dumps(doc)
 
 
 def _node(n: _NodeDesc) -> list:
@@ -119,81 +105,18 @@ def _time(t: datetime | None) -> str | None:
 # ---- JSON from the store -> a checked state
 def from_json(raw: bytes) -> _RendezvousState:
     """The state `raw` (the store's value) describes; StateError on anything else."""
-    if len(raw) > MAX_STATE_BYTES:
-        raise StateError(f"rendezvous state: {len(raw)} bytes, more than {MAX_STATE_BYTES}")
     try:
-        doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise StateError(f"rendezvous state: not JSON ({reason})") from None
-    if not isinstance(doc, dict) or set(doc) != set(FIELDS):
-        raise StateError(f"rendezvous state: the fields must be exactly {', '.join(FIELDS)}")
+        doc = rendezvous_json.parse(raw)
+    except rendezvous_json.StateError as e:
+        raise StateError(str(e)) from None
     state = _RendezvousState()
-    state.round = _int(doc["round"], "round")
-    state.complete = _bool(doc["complete"], "complete")
-    state.deadline = None if doc["deadline"] is None else _datetime(doc["deadline"], "deadline")
-    state.closed = _bool(doc["closed"], "closed")
-    state.participants = {
-        _node_of(n, "participants"): _int(r, "a rank")
-        for n, r in _pairs(doc["participants"], "participants")
-    }
-    state.wait_list = {_node_of(n, "wait_list") for n in _list(doc["wait_list"], "wait_list")}
-    state.redundancy_list = {
-        _node_of(n, "redundancy_list") for n in _list(doc["redundancy_list"], "redundancy_list")
-    }
-    state.last_heartbeats = {
-        _node_of(n, "last_heartbeats"): _datetime(t, "a heartbeat")
-        for n, t in _pairs(doc["last_heartbeats"], "last_heartbeats")
-    }
+    state.round, state.complete = doc["round"], doc["complete"]
+    state.deadline, state.closed = doc["deadline"], doc["closed"]
+    state.participants = {_NodeDesc(*n): r for n, r in doc["participants"]}
+    state.wait_list = {_NodeDesc(*n) for n in doc["wait_list"]}
+    state.redundancy_list = {_NodeDesc(*n) for n in doc["redundancy_list"]}
+    state.last_heartbeats = {_NodeDesc(*n): t for n, t in doc["last_heartbeats"]}
     return state
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not allowed")
-
-
-def _bad(what: str, value: object) -> StateError:
-    return StateError(f"rendezvous state: bad {what}: {str(value)[:80]!r}")
-
-
-def _int(x: object, what: str) -> int:
-    if type(x) is not int or not 0 <= x <= MAX_INT:
-        raise _bad(what, x)
-    return x
-
-
-def _bool(x: object, what: str) -> bool:
-    if type(x) is not bool:
-        raise _bad(what, x)
-    return x
-
-
-def _datetime(x: object, what: str) -> datetime:
-    if type(x) is not str or len(x) > 64:
-        raise _bad(what, x)
-    try:
-        return datetime.fromisoformat(x)
-    except ValueError:
-        raise _bad(what, x) from None
-
-
-def _list(x: object, what: str) -> list:
-    if type(x) is not list or len(x) > MAX_NODES:
-        raise _bad(what, x)
-    return x
-
-
-def _pairs(x: object, what: str) -> list:
-    items = _list(x, what)
-    if any(type(p) is not list or len(p) != 2 for p in items):
-        raise _bad(what, x)
-    return items
-
-
-def _node_of(x: object, what: str) -> _NodeDesc:
-    if type(x) is not list or len(x) != 3 or type(x[0]) is not str or len(x[0]) > MAX_ADDR:
-        raise _bad(f"node in {what}", x)
-    return _NodeDesc(x[0], _int(x[1], "pid"), _int(x[2], "local id"))
 
 
 # ---- the backend
@@ -205,7 +128,7 @@ class JsonBackend(RendezvousBackend):
         if not run_id:
             raise ValueError("the run id must be a non-empty string")
         self._store = store
-        self._key = "frugaltrain.rendezvous.json." + run_id
+        self._key = rendezvous_json.state_key(run_id)
         self._call_store("compare_set", self._key, "", NO_STATE.decode())  # "no state yet"
 
     @property
@@ -231,25 +154,6 @@ class JsonBackend(RendezvousBackend):
         if current is None:
             return None
         return (*current, stored == desired)
-
-    def expire(self, dead: Callable[[list], bool]) -> int:
-        """Date back to EXPIRED the heartbeat of every node `dead([addr, pid, local id])` is
-        true of, so the handler drops them at its next sync; compare-and-set, tried again while
-        another process writes meanwhile. Returns how many nodes were marked."""
-        while True:
-            raw = self._call_store("get", self._key)
-            if raw == NO_STATE:
-                return 0
-            from_json(raw)  # well-formed, or StateError
-            doc = json.loads(raw)
-            beats = [pair for pair in doc["last_heartbeats"] if dead(pair[0])]
-            if not beats:
-                return 0
-            for pair in beats:
-                pair[1] = EXPIRED
-            new = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-            if self._call_store("compare_set", self._key, raw.decode(), new.decode()) == new:
-                return len(beats)
 
     def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
         if raw == NO_STATE:

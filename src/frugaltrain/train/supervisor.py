@@ -112,7 +112,7 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
                 failed = exited(procs, finished, ft_store, cfg, run_dir)
                 restart_failed(failed, procs, start, restarts, cfg, run_dir, store)
                 if cfg.fault_tolerance.enabled:
-                    _stop_stragglers_at_the_end(procs, finished, store, host, cfg)
+                    _stop_stragglers_at_the_end(procs, finished, store, cfg)
         finally:
             for p in procs.values():
                 if p.is_alive():
@@ -187,7 +187,7 @@ def exited(procs: dict, finished: set[int], store, cfg: Config, run_dir: Path) -
     return failed
 
 
-def _stop_stragglers_at_the_end(procs, finished, store, host: str, cfg: Config) -> None:
+def _stop_stragglers_at_the_end(procs, finished, store, cfg: Config) -> None:
     """Once the last epoch's members have all finished, close the rendezvous (of every shard
     group: a restarted process still waiting to join exits) and stop any worker that never
     came back."""
@@ -196,7 +196,7 @@ def _stop_stragglers_at_the_end(procs, finished, store, host: str, cfg: Config) 
     final = _final_members(group0_store(store, cfg), done)
     if final is None:
         return
-    close_rendezvous(host, store.port, cfg)
+    close_rendezvous(store, cfg)
     _join_for(procs, finished, seconds=3.0)
     for rank, p in procs.items():
         if rank not in finished and rank // S not in final and p.is_alive():
