@@ -1,11 +1,14 @@
 """The layering of docs/architecture.md, checked on the source: every import of a frugaltrain
 module (static or through importlib) points down the picture, and no function outside the
-Triton kernel is longer than 80 lines."""
+Triton kernel is longer than 80 lines; and the coordinator, which trains nothing, runs without
+torch."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "frugaltrain"
@@ -134,3 +137,15 @@ def test_no_import_circle_inside_a_subpackage():
         graph = {path.stem: _sibling_imports(path) for path in pkg.glob("*.py")}
         circles += [f"{pkg.name}/: " + " -> ".join(c) for c in _cycles(graph)]
     assert not circles, "\n".join(circles)
+
+
+def test_the_coordinator_imports_no_torch():
+    """`frugaltrain coordinator` stays a small process: the CLI and the coordinator import no
+    torch, numpy or matplotlib (its model check and its summary run in child processes)."""
+    heavy = ("torch", "numpy", "matplotlib", "transformers")
+    code = (
+        "import sys, frugaltrain.cli, frugaltrain.train.coordinator\n"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == ""

@@ -39,8 +39,6 @@ import signal
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 _KEYS = {"kill": {"worker", "round", "at"}, "hang": {"worker", "round"}}
 _KEYS["slow"] = {"worker", "factor", "seconds"}
 _KEYS["drop"] = {"p"}
@@ -176,6 +174,8 @@ class Injector:
         """Whether the message src -> dst of operation `seq` is lost (same answer on every run)."""
         if self.drop_p <= 0.0 or src == dst:
             return False
+        import numpy as np  # here: the config (and the coordinator with it) imports this file
+
         rng = np.random.default_rng([self.seed, epoch, seq, src, dst, 0xD20])
         return bool(rng.random() < self.drop_p)
 

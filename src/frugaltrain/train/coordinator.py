@@ -3,8 +3,9 @@
     frugaltrain coordinator --new-token run.token          # once; copy the file to each machine
     frugaltrain coordinator --config my.toml --port 29400 --token run.token
 
-It trains nothing. It holds the run's config and run directory, hosts the run's store (the
-TCPStore the fault-tolerant runtime's rendezvous lives on) on the loopback interface only, and
+It trains nothing, and it imports no torch: it holds the run's config and run directory, hosts
+the run's store (comm/store.py: a server torch's TCPStore clients talk to, where the
+fault-tolerant runtime's rendezvous lives) on the loopback interface only, and
 listens on `--bind`:`--port` behind the run token (comm/gateway.py): a machine that proves the
 token gets the config and free slots, and its processes reach the store through that channel;
 nothing else reaches the store. It writes the run's metrics.jsonl from the lines the machines
@@ -22,20 +23,21 @@ same.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
 
 from frugaltrain.comm.auth import Channel, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
+from frugaltrain.comm.store import StoreServer
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.train.metrics_relay import MetricsRelay
+from frugaltrain.train.run_dir import new_run_dir
 from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
@@ -119,10 +121,7 @@ class Coordinator:
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
 
     def start(self) -> Coordinator:
-        timeout = timedelta(seconds=max(60.0, self.cfg.run.timeout_s))
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout
-        )
+        self.store = StoreServer().listen("127.0.0.1", 0)
         addr = ("127.0.0.1", self.store.port)
         self.gateway = Gateway(self.bind, self.port, self.token, addr, self.serve, self.say)
         self.gateway.start()
@@ -243,7 +242,7 @@ class Coordinator:
         """Whether training is over: the members of some worker's last epoch have all
         finished. Then the rendezvous closes (a process still waiting to join exits)."""
         if not self.done.is_set() and self._training_over():
-            close_rendezvous("127.0.0.1", self.store.port, self.cfg)
+            close_rendezvous(self.store, self.cfg)
             self.done.set()
         return self.done.is_set()
 
@@ -268,6 +267,7 @@ class Coordinator:
 
     def close(self) -> None:
         self.gateway.close()
+        self.store.close()
 
     # ---- the state file: what --resume brings back
     def _save_state(self) -> None:
@@ -286,8 +286,6 @@ class Coordinator:
 def coordinator_config(config_path: str | None, overrides: list[str], resume: str | None):
     """The run's config (fault tolerance on: machines come and go) and its run directory,
     checked before the port opens."""
-    from frugaltrain.train.launch import check_model, new_run_dir
-
     if resume:
         saved = Path(resume) / "config.toml"
         if not saved.is_file():
@@ -305,10 +303,33 @@ def coordinator_config(config_path: str | None, overrides: list[str], resume: st
             "fault_tolerance.inject: injected faults are for local runs; across machines, "
             "stop a machine instead"
         )
-    check_model(cfg)
+    check_model_apart(cfg)
     run_dir = new_run_dir(cfg)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     return cfg, run_dir
+
+
+_CHECK = """
+import sys, tomllib
+from frugaltrain.config import Config, ConfigError, build_config
+from frugaltrain.train.launch import check_model
+try:
+    check_model(build_config(Config, tomllib.loads(sys.stdin.read()), []))
+except ConfigError as e:
+    sys.exit(str(e))
+"""
+
+
+def check_model_apart(cfg: Config) -> None:
+    """launch.check_model (the model builds as configured, its named parts exist) in a child
+    process: it imports torch and transformers, which would stay in the coordinator's memory
+    for the whole run. Its error comes back as this process's ConfigError."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CHECK], input=to_toml(cfg), capture_output=True, text=True
+    )
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise ConfigError(lines[-1])
 
 
 def run_coordinator(
@@ -322,8 +343,6 @@ def run_coordinator(
     """`frugaltrain coordinator`: serve the run until training is over, then write its
     summary. Every check (token, config) comes before the port opens. With `resume` (the
     coordinator's run directory), the port and the slots' machines come from its state file."""
-    from frugaltrain.metrics.report import report
-
     token = read_token(token_path)
     cfg, run_dir = coordinator_config(config_path, overrides, resume)
     state = run_dir / COORDINATOR_STATE
@@ -346,5 +365,6 @@ def run_coordinator(
     finally:
         coord.close()
     coord.say("training is over")
-    report(run_dir)
+    # The summary and its plot in a child process too: matplotlib would double this one's size.
+    subprocess.run([sys.executable, "-m", "frugaltrain", "report", str(run_dir)], check=False)
     return 0

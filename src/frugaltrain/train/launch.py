@@ -39,16 +39,8 @@ from frugaltrain.outer.streaming import StreamingDiLoCo
 from frugaltrain.train import checkpoint
 from frugaltrain.train.failures import failure_of, report_failure
 from frugaltrain.train.loop import train_worker
+from frugaltrain.train.run_dir import new_run_dir
 from frugaltrain.train.supervisor import backend, plain_comm, run_local, worker_threads
-
-
-def new_run_dir(cfg: Config) -> Path:
-    base = Path(cfg.run.out_dir) / cfg.run.name
-    path, i = base, 1
-    while path.exists():
-        path, i = base.with_name(f"{base.name}-{i}"), i + 1
-    path.mkdir(parents=True)
-    return path
 
 
 def check_data(cfg: Config) -> None:
