@@ -1,7 +1,8 @@
 """Every result file in benchmarks/results/ says what it is (benchmarks/provenance.py): a JSON
 object with "command", "kind", "machine" and "date", its kind one of provenance.KINDS (or a dict
-of them, figure by figure), its command a relative `python benchmarks/...` line (or null, with a
-"command_note" saying why), and no absolute path of the machine it ran on anywhere in it."""
+of them, figure by figure), its command the relative `python benchmarks/...` line that
+reproduces it (reconstructed afterwards for the oldest files, as their "command_note" says),
+and no absolute path of the machine it ran on anywhere in it."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ def provenance_errors(record: object, kinds: tuple[str, ...]) -> list[str]:
     if "kind" in record and not _kind_ok(kind, kinds):
         errors.append(f"kind = {kind!r}: use one of {kinds} or a dict of them")
     command = record.get("command")
-    if "command" in record and not _command_ok(command, record.get("command_note")):
-        errors.append(f"command = {command!r}: use 'python benchmarks/...' or null and a note")
+    if "command" in record and not _command_ok(command):
+        errors.append(f"command = {command!r}: give the 'python benchmarks/...' line that ran")
     return errors
 
 
@@ -121,9 +122,7 @@ def _kind_ok(kind: object, kinds: tuple[str, ...]) -> bool:
     return kind in kinds
 
 
-def _command_ok(command: object, note: object) -> bool:
-    if command is None:
-        return isinstance(note, str) and bool(note.strip())
+def _command_ok(command: object) -> bool:
     return isinstance(command, str) and command.startswith("python benchmarks/")
 
 
@@ -162,7 +161,7 @@ def test_a_missing_or_wrong_field_is_caught():
     assert provenance_errors(good | {"kind": {"loss": "measured", "util": "guessed"}}, kinds)
     assert provenance_errors(good | {"command": "/usr/bin/python benchmarks/x.py"}, kinds)
     assert provenance_errors(good | {"command": None}, kinds)
-    assert provenance_errors(good | {"command": None, "command_note": "not recorded"}, kinds) == []
+    assert provenance_errors(good | {"command": None, "command_note": "not recorded"}, kinds)
     assert provenance_errors([good], kinds) == ["not a JSON object but list"]
 
 
