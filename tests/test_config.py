@@ -103,6 +103,7 @@ def test_key_set_is_pinned():
             "deadline_factor",
             "deadline_floor_s",
             "coordinator_wait_s",
+            "resume_wait_s",
             "inject",
         ],
     }

@@ -132,6 +132,51 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
     assert_equal_to(reference, run, [tmp_path / "a", tmp_path / "b"])
 
 
+def test_a_resume_goes_on_without_a_machine_that_stays_away(config_factory, tmp_path):
+    """The coordinator and one machine lost together: `coordinator --resume` waits
+    fault_tolerance.resume_wait_s for it, then goes on with the machine that is back (its slot
+    freed); back later, the lost machine joins as a new one, from a live peer. Every round is
+    logged once, and both machines finish."""
+    sets = (
+        *SETS,
+        f"fault_tolerance.coordinator_wait_s={WAIT_S}",
+        "fault_tolerance.resume_wait_s=3",
+    )
+    run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
+    try:
+        coord = run.start_coordinator()
+        wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
+        a = run.join("a")
+        wait_for(lambda: "joined: slots [0]" in run.log(), "machine a joined", procs=[a])
+        b = run.join("b")
+        wait_for(lambda: rounds_logged(run) >= 3, "round 3", procs=[coord, a, b])
+        kill(coord)
+        wait_for(
+            lambda: all("lost the coordinator" in run.output(m) for m in "ab"),
+            "both machines waiting for the coordinator",
+            procs=[a, b],
+        )
+        kill(b)  # its workers stopped when it lost the coordinator: the machine is gone
+        again = run.start_coordinator(resume=True, name="coordinator-2")
+        wait_for(lambda: ", from round" in run.log(), "a back", procs=[again, a])
+        assert "resuming without machine id" in run.log() and "slots [1] are free" in run.log()
+        at = rounds_logged(run)
+        wait_for(lambda: rounds_logged(run) >= at + 3, "3 rounds with a alone", procs=[again, a])
+        b = run.join("b", resume=True)
+        wait_for(lambda: run.log().count("joined: slots [1]") == 2, "b back", procs=[again, b])
+        for p in (a, b, again):
+            assert p.wait(240) == 0, p.args
+    finally:
+        run.close()
+    log = run.log()
+    assert log.count(", from round") == 1  # a went on from its checkpoint; b joined as new
+    rounds = [
+        r["round"] for r in read_metrics(run.coord_dir / "metrics.jsonl") if r["kind"] == "round"
+    ]
+    assert rounds == list(range(1, 61))
+    assert sorted(final_models([tmp_path / "a", tmp_path / "b"], 2)) == [0, 1]
+
+
 def kill(coord) -> None:
     coord.kill()
     coord.wait()

@@ -236,6 +236,10 @@ class FaultToleranceSection(Section):
     """Across machines (frugaltrain join): how long a machine that lost the coordinator waits
     for it to come back (`frugaltrain coordinator --resume`) before it exits with its
     checkpoints in place."""
+    resume_wait_s: float = 120.0
+    """Across machines: how long `frugaltrain coordinator --resume` waits for the machines that
+    held slots before it goes on with those back, if they hold run.min_workers slots. The
+    others' slots are freed; a machine back later joins as a new one, from a live peer."""
     inject: str = ""
     """Faults to inject, ';'-separated (with enabled = false on the plain runtime, where a killed
     worker ends the run and a silent one holds the others up): 'kill:worker=2,round=5',
@@ -248,6 +252,7 @@ class FaultToleranceSection(Section):
         self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
         self.positive("deadline_floor_s")
         self.positive("coordinator_wait_s")
+        self.positive("resume_wait_s")
         self.at_least("max_restarts", 0)
         try:
             faults.parse(self.inject)

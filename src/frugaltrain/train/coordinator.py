@@ -106,14 +106,21 @@ class Coordinator:
     ) -> None:
         self.cfg, self.run_dir, self.token = cfg, run_dir, token
         self.bind, self.port = bind, port
-        self.slots = Slots(cfg.run.workers, self._saved_owners() if resume else None)
+        saved = self._saved_owners() if resume else None
+        self.slots = Slots(cfg.run.workers, saved)
         self.machines: dict[str, Machine] = {}
         # --resume: the machines that held the slots come back and all go on from the newest
         # round every one of them has a checkpoint of (the store, and with it the runtime's
-        # state, did not survive the coordinator).
+        # state, did not survive the coordinator). Those not back within
+        # fault_tolerance.resume_wait_s are gone on without; back later, each joins as new.
         self.resuming = resume
         self.reports: dict[str, dict[int, int]] = {}  # machine -> its checkpoints' round: step
         self.resumed: set[str] = set()  # machines told where to go on from
+        self.resume_from: int | None = None  # that round, once decided
+        self.resumers: set[str] = set()  # the machines it was decided for
+        self.saved = {o for o in saved or [] if o}  # the machines that held slots before
+        self.resume_lock = threading.Lock()
+        self.started = time.monotonic()
         self.session = uuid.uuid4().hex[:12]
         self.log_lock, self.state_lock = threading.Lock(), threading.Lock()
         self.done = threading.Event()
@@ -150,10 +157,13 @@ class Coordinator:
         self._save_state()
         reply = {"config": to_toml(self.cfg), "slots": slots, "session": self.session}
         if self.resuming and machine.id not in self.resumed:
-            reply["resume"] = self._resume_round(machine, request, channel)
-            if reply["resume"] is None:
+            ok, reply["resume"] = self._resume_round(machine, request, channel)
+            if not ok:
                 return
-            self.resumed.add(machine.id)
+            if reply["resume"] is None:  # back after the others went on: joins as new
+                del reply["resume"]
+            else:
+                self.resumed.add(machine.id)
         where = f", from round {reply['resume']}" if "resume" in reply else ""
         self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}{where}")
         channel.send(reply)
@@ -165,25 +175,49 @@ class Coordinator:
             with self.log_lock:
                 self.connected -= 1
 
-    def _resume_round(self, machine: Machine, request: dict, channel: Channel) -> int | None:
-        """The newest round every slot's machine has a checkpoint of, once they are all back
-        (the others wait, told so every LEASE_S); None if this machine left meanwhile or there
-        is no such round (it is told why)."""
+    def _resume_round(
+        self, machine: Machine, request: dict, channel: Channel
+    ) -> tuple[bool, int | None]:
+        """(True, the round this machine goes on from): the newest round every slot's machine
+        that is back holds a checkpoint of, decided once all are back, or once
+        fault_tolerance.resume_wait_s has passed and those back hold run.min_workers slots
+        (the others' slots are freed). (True, None): it came back after that, and joins as a
+        new machine, from a live peer. (False, None): it left meanwhile, or there is no such
+        round (it is told why)."""
         self.reports[machine.id] = {int(r): int(s) for r, s in request.get("rounds", [])}
         while True:
-            owners = set(self.slots.owner)
-            missing = [s for s, o in enumerate(self.slots.owner) if o not in self.reports]
-            if not missing:
-                break
+            with self.resume_lock:
+                if self.resume_from is None:
+                    self._decide_resume()
+                if self.resume_from is not None:
+                    break
+            missing = [s for s, o in enumerate(self.slots.owner) if o and o not in self.reports]
             if not self._hold(channel, f"resuming: the machines of slots {missing} are not back"):
-                return None
-        common = set.intersection(*(set(self.reports[o]) for o in owners))
-        if not common:
+                return False, None
+        if self.resume_from < 0:
             channel.send({"error": "no checkpoint round that every slot's machine holds"})
-            return None
-        r = max(common)
-        self.metrics.cut(self.reports[machine.id][r])  # the rounds after it are logged again
-        return r
+            return False, None
+        if machine.id not in self.resumers:
+            return True, None
+        self.metrics.cut(self.reports[machine.id][self.resume_from])  # logged again after it
+        return True, self.resume_from
+
+    def _decide_resume(self) -> None:
+        """Set resume_from (-1: no common round) if every slot's machine is back, or if the
+        wait is over and those back are enough; free the slots of those not back."""
+        owners = {o for o in self.slots.owner if o in self.saved}
+        back = owners & set(self.reports)
+        if back != owners:
+            waited = time.monotonic() - self.started >= self.cfg.fault_tolerance.resume_wait_s
+            held = sum(o in back for o in self.slots.owner)
+            if not waited or held < self.cfg.run.min_workers:
+                return
+            for gone in sorted(owners - back):
+                slots = self.slots.release(gone)
+                self.say(f"resuming without machine id {gone}: not back, slots {slots} are free")
+            self._save_state()
+        common = set.intersection(*(set(self.reports[o]) for o in back)) if back else set()
+        self.resume_from, self.resumers = (max(common) if common else -1), back
 
     def _machine(self, request: dict, peer: str) -> Machine:
         mid = str(request.get("machine") or uuid.uuid4().hex[:12])
