@@ -99,18 +99,7 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
     sets = (*SETS, f"fault_tolerance.coordinator_wait_s={WAIT_S}")
     run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
     try:
-        coord = run.start_coordinator()
-        wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
-        a = run.join("a")
-        wait_for(lambda: "joined: slots [0]" in run.log(), "machine a joined", procs=[a])
-        b = run.join("b")
-        wait_for(lambda: rounds_logged(run) >= 3, "round 3", procs=[coord, a, b])
-        kill(coord)
-        wait_for(
-            lambda: all("lost the coordinator" in run.output(m) for m in "ab"),
-            "both machines waiting for the coordinator",
-            procs=[a, b],
-        )
+        a, b = two_machines_lose_the_coordinator(run)
         again = run.start_coordinator(resume=True, name="coordinator-2")
         wait_for(lambda: run.log().count(", from round") == 2, "both back", procs=[a, b])
         at = rounds_logged(run)
@@ -144,18 +133,7 @@ def test_a_resume_goes_on_without_a_machine_that_stays_away(config_factory, tmp_
     )
     run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
     try:
-        coord = run.start_coordinator()
-        wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
-        a = run.join("a")
-        wait_for(lambda: "joined: slots [0]" in run.log(), "machine a joined", procs=[a])
-        b = run.join("b")
-        wait_for(lambda: rounds_logged(run) >= 3, "round 3", procs=[coord, a, b])
-        kill(coord)
-        wait_for(
-            lambda: all("lost the coordinator" in run.output(m) for m in "ab"),
-            "both machines waiting for the coordinator",
-            procs=[a, b],
-        )
+        a, b = two_machines_lose_the_coordinator(run)
         kill(b)  # its workers stopped when it lost the coordinator: the machine is gone
         again = run.start_coordinator(resume=True, name="coordinator-2")
         wait_for(lambda: ", from round" in run.log(), "a back", procs=[again, a])
@@ -175,6 +153,24 @@ def test_a_resume_goes_on_without_a_machine_that_stays_away(config_factory, tmp_
     ]
     assert rounds == list(range(1, 61))
     assert sorted(final_models([tmp_path / "a", tmp_path / "b"], 2)) == [0, 1]
+
+
+def two_machines_lose_the_coordinator(run: Run):
+    """Machines a (slot 0) and b (slot 1) train 3 rounds; then the coordinator is killed and
+    both wait for it. Returns their agents."""
+    coord = run.start_coordinator()
+    wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
+    a = run.join("a")
+    wait_for(lambda: "joined: slots [0]" in run.log(), "machine a joined", procs=[a])
+    b = run.join("b")
+    wait_for(lambda: rounds_logged(run) >= 3, "round 3", procs=[coord, a, b])
+    kill(coord)
+    wait_for(
+        lambda: all("lost the coordinator" in run.output(m) for m in "ab"),
+        "both machines waiting for the coordinator",
+        procs=[a, b],
+    )
+    return a, b
 
 
 def kill(coord) -> None:
