@@ -62,6 +62,7 @@ def test_answers_equal_torchs_own_server(server):
 def test_in_process_calls_see_what_clients_wrote(server):
     c = _client(server.port)
     c.set("x/y", "1")
+    assert c.get("x/y") == b"1"  # answered: the server has applied the set (which has no reply)
     assert server.get("x/y") == b"1" and server.check(["x/y"]) and not server.check(["y"])
     view = PrefixView("x", server)
     assert view.get("y") == b"1"

@@ -32,6 +32,7 @@ import enum
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 MAGIC = 0x3C85F7CE
@@ -129,7 +130,8 @@ class _Client:
 class StoreServer:
     """See the module docstring. `listen` serves clients on a port; `serve` one connection."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: Callable[[str], None] | None = None) -> None:
+        self.log = log  # told why each broken connection was closed
         self._data: dict[bytes, bytes] = {}
         self._clients: set[_Client] = set()
         self._lock = threading.Lock()
@@ -171,6 +173,8 @@ class StoreServer:
             pass  # the client left
         except (ProtocolError, OSError) as e:
             self.dropped.append(str(e))
+            if self.log is not None:
+                self.log(f"store: closed a client's connection: {e}")
         finally:
             with self._lock:
                 self._clients.discard(client)

@@ -128,7 +128,7 @@ class Coordinator:
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
 
     def start(self) -> Coordinator:
-        self.store = StoreServer().listen("127.0.0.1", 0)
+        self.store = StoreServer(log=self.say).listen("127.0.0.1", 0)
         addr = ("127.0.0.1", self.store.port)
         self.gateway = Gateway(self.bind, self.port, self.token, addr, self.serve, self.say)
         self.gateway.start()
@@ -215,9 +215,18 @@ class Coordinator:
             for gone in sorted(owners - back):
                 slots = self.slots.release(gone)
                 self.say(f"resuming without machine id {gone}: not back, slots {slots} are free")
+                self._count_as_started(len(slots))
             self._save_state()
         common = set.intersection(*(set(self.reports[o]) for o in back)) if back else set()
         self.resume_from, self.resumers = (max(common) if common else -1), back
+
+    def _count_as_started(self, slots: int) -> None:
+        """The first starts meet before their first round (comm/ft/world.py): count the
+        processes of `slots` freed slots in, as each would count itself, so those back do not
+        wait for them."""
+        for _ in range(slots * self.cfg.run.shards):
+            if self.store.add(keys.STARTED, 1) == self.cfg.run.workers:
+                self.store.set(keys.ALL_STARTED, "1")
 
     def _machine(self, request: dict, peer: str) -> Machine:
         mid = str(request.get("machine") or uuid.uuid4().hex[:12])
