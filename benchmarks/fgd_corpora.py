@@ -56,6 +56,10 @@ METHODS = {  # name -> (example config, extra overrides)
     "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
     "GlobalM1LocalM2-late": ("fgd_globalm1_localm2", ["outer.fgd.mix2_overlap=true"]),
     "GlobalM1LocalM2-int8": ("fgd_globalm1_localm2_int8", []),  # Mix2 in int8, Mix1 fp32
+    "GlobalM1LocalM2-int8-bf16": (  # and Mix1 in bf16
+        "fgd_globalm1_localm2_int8",
+        ["outer.param_codec='bf16'"],
+    ),
     "subset": ("fgd_subset", []),
     "subset-late": ("fgd_subset", ["outer.fgd.mix2_overlap=true"]),
 }

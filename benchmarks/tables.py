@@ -1130,6 +1130,9 @@ TABLES = {
         ("time_to_loss_flagship.json",),
         lambda f: time_to_loss_plan(f[0]),
     ),
+    "mix1-bf16-corpora": Table(
+        "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
+    ),
     "fgd-corpora": Table(
         "docs/results/fgd.md",
         ("fgd_corpora_base.json", "fgd_corpora_4x.json", "fgd_corpora_4x_flagship.json"),

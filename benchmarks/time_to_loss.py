@@ -54,6 +54,9 @@ METHODS = {  # name -> (example config, extra overrides)
     "GlobalM1": ("fgd_globalm1", []),
     "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
     "GlobalM1LocalM2-int8": ("fgd_globalm1_localm2_int8", []),
+    # The same with Mix1's parameters in bf16: half Mix1's bytes, for links where its
+    # all-reduce outlasts a round of compute.
+    "GlobalM1LocalM2-int8-bf16": ("fgd_globalm1_localm2_int8", ["outer.param_codec='bf16'"]),
     "subset": ("fgd_subset", []),
     "ddp": ("ddp", []),
 }
