@@ -1035,6 +1035,29 @@ def fgd_corpora(files: list[dict]) -> str:
     return "\n".join(parts).rstrip()
 
 
+def fgd_corpora_merged(files: list[dict]) -> str:
+    """The results files of one probe, run in parts (e.g. seeds 0, 1, then 2, 3), as one pair of
+    tables (fgd_corpora's), H in the caption; a method run on fewer seeds than the others is
+    named with its seeds, so no cell reads as more seeds than it has."""
+    runs = [r for f in files for r in f["runs"]]
+    methods = list(dict.fromkeys(m for f in files for m in f["methods"]))
+    seeds = {m: sorted({r["seed"] for r in runs if r["method"] == m}) for m in methods}
+    most = max(len(s) for m, s in seeds.items() if m != "diloco")
+    name = {
+        m: m if m == "diloco" or len(seeds[m]) == most else f"{m} (seeds {seeds[m]})"
+        for m in methods
+    }
+    Hs = sorted({f["H"] for f in files})
+    if len(Hs) != 1:
+        raise ValueError(f"one probe, one H: got {Hs}")
+    merged = files[0] | {
+        "models": {f"{m} at H = {Hs[0]}": s for m, s in files[0]["models"].items()},
+        "methods": [name[m] for m in methods],
+        "runs": [r | {"method": name[r["method"]]} for r in runs],
+    }
+    return fgd_corpora([merged])
+
+
 TABLES = {
     "time-to-loss-links": Table(
         "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: links_table(f[0])
@@ -1139,6 +1162,22 @@ TABLES = {
         fgd_corpora,
     ),
     "fgd-late": Table("docs/results/fgd.md", ("fgd_late_probe.json",), fgd_corpora),
+    "fgd-prose-outer": Table(
+        "docs/results/fgd.md",
+        ("fgd_prose_probe_outer.json", "fgd_prose_probe_outer_s23.json"),
+        fgd_corpora_merged,
+    ),
+    "fgd-prose-h25": Table(
+        "docs/results/fgd.md",
+        ("fgd_prose_probe_h25.json", "fgd_prose_probe_h25_lr.json"),
+        fgd_corpora_merged,
+    ),
+    "fgd-prose-fgd": Table(
+        "docs/results/fgd.md", ("fgd_prose_probe_fgd.json",), fgd_corpora_merged
+    ),
+    "fgd-prose-reset": Table(
+        "docs/results/fgd.md", ("fgd_prose_probe_reset.json",), fgd_corpora_merged
+    ),
     "flow-profile-check": Table(
         "docs/flow.md",
         ("flow_profile_check.json",),
