@@ -1153,6 +1153,11 @@ TABLES = {
         ("time_to_loss_flagship.json",),
         lambda f: time_to_loss_plan(f[0]),
     ),
+    "time-to-loss-mix1-bf16": Table(
+        "docs/results/time_to_loss.md",
+        ("time_to_loss_mix1bf16.json",),
+        lambda f: time_to_loss_table(f[0]),
+    ),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
     ),
