@@ -26,6 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -226,6 +227,21 @@ def _final_members(store: dist.Store, done: set[int]) -> set[int] | None:
     return None
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process once the process that started it (the launcher, or a machine's agent)
+    is gone, killed without stopping its workers: an orphaned worker would go on beating its
+    heartbeat and retrying the rendezvous for a slot its machine no longer holds."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"[worker] its launcher (pid {parent}) is gone; exiting", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def worker_process(
     rank: int,
     cfg_toml: str,
@@ -236,6 +252,7 @@ def worker_process(
     local: tuple[int, ...] | None = None,
 ):
     """Entry of one worker process (a first start or, with fault tolerance, a restart)."""
+    exit_with_parent()
     cfg = build_config(Config, tomllib.loads(cfg_toml))
     torch.set_num_threads(worker_threads(cfg))
     store = dist.TCPStore(host, port, is_master=False, timeout=_store_timeout(cfg))
