@@ -225,8 +225,7 @@ class Coordinator:
         processes of `slots` freed slots in, as each would count itself, so those back do not
         wait for them."""
         for _ in range(slots * self.cfg.run.shards):
-            if self.store.add(keys.STARTED, 1) == self.cfg.run.workers:
-                self.store.set(keys.ALL_STARTED, "1")
+            keys.count_start(self.store, self.cfg.run.workers)
 
     def _machine(self, request: dict, peer: str) -> Machine:
         mid = str(request.get("machine") or uuid.uuid4().hex[:12])

@@ -21,6 +21,13 @@ STARTED = "ft/started"  # first starts counted in, then ALL_STARTED lets them on
 ALL_STARTED = "ft/all_started"
 
 
+def count_start(store, world_size: int) -> None:
+    """Count one first start in (a worker's own, or the coordinator's for a slot it freed);
+    the count that reaches `world_size` opens ALL_STARTED."""
+    if store.add(STARTED, 1) == world_size:
+        store.set(ALL_STARTED, "1")
+
+
 def namespace(shard: int, shards: int) -> str:
     """Store prefix of shard group `shard`'s fault-tolerant world ("" without shards)."""
     return f"shard{shard}" if shards > 1 else ""

@@ -100,8 +100,7 @@ class World:
         round has all of them; a restarted worker joins later (admission.py)."""
         if self.incarnation != 1:
             return
-        if self.root.add(keys.STARTED, 1) == self.world_size:
-            self.root.set(keys.ALL_STARTED, "1")
+        keys.count_start(self.root, self.world_size)
         self.root.wait([keys.ALL_STARTED])
         self.rendezvous("start")
 
