@@ -130,6 +130,7 @@ def test_a_resume_goes_on_without_a_machine_that_stays_away(config_factory, tmp_
         *SETS,
         f"fault_tolerance.coordinator_wait_s={WAIT_S}",
         "fault_tolerance.resume_wait_s=3",
+        "run.steps=1280",  # 320 rounds: machine a alone must not finish before b is back
     )
     run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
     try:
@@ -151,7 +152,7 @@ def test_a_resume_goes_on_without_a_machine_that_stays_away(config_factory, tmp_
     rounds = [
         r["round"] for r in read_metrics(run.coord_dir / "metrics.jsonl") if r["kind"] == "round"
     ]
-    assert rounds == list(range(1, 61))
+    assert rounds == list(range(1, 321))
     assert sorted(final_models([tmp_path / "a", tmp_path / "b"], 2)) == [0, 1]
 
 
