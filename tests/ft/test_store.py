@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from frugaltrain.comm.store import MAGIC, MAX_KEY, PrefixView, Query, StoreServer
+from frugaltrain.comm.store import (
+    JOURNAL_HEADER,
+    MAGIC,
+    MAX_KEY,
+    PrefixView,
+    Query,
+    StoreServer,
+)
 
 
 def _client(port: int, timeout_s: float = 10.0) -> dist.TCPStore:
@@ -132,3 +139,89 @@ def test_gloo_forms_a_group_over_it(server):
     for t in threads:
         t.join(60)
     assert [t.item() for t in results] == [3.0, 3.0]
+
+
+# ---- the journal: a restarted store has what the old one had
+def _mutate(server: StoreServer) -> None:
+    """Every kind of mutation, over the network and in process."""
+    c = _client(server.port)
+    c.set("a", "1")
+    c.add("n", 5)
+    c.add("n", -2)
+    c.compare_set("k", "", "v")
+    c.compare_set("k", "v", b"\x00\xff")
+    c.compare_set("k", "nope", "x")  # not applied
+    c.set("gone", "1")
+    c.delete_key("gone")
+    c.append("a", "23")
+    c.multi_set(["m1", "m2"], ["x", "y"])
+    server.set("p", b"\n\x00")
+    server.add("n", 10)
+    server.compare_set("p", b"\n\x00", "q")
+    assert c.get("a") == b"123"  # answered: every query before it has been applied
+
+
+def test_a_journal_restores_the_contents(tmp_path):
+    path = tmp_path / "store.journal"
+    first = StoreServer(journal=path).listen()
+    _mutate(first)
+    contents = dict(first._data)
+    first.close()
+    assert contents[b"/n"] == b"13" and b"/gone" not in contents and contents[b"/k"] == b"\x00\xff"
+    second = StoreServer(journal=path).listen()
+    assert second._data == contents
+    c = _client(second.port)
+    assert c.get("a") == b"123" and c.get("p") == b"q" and c.add("n", 1) == 14
+    second.close()
+
+
+def test_compaction_keeps_the_contents_and_shrinks_the_file(tmp_path):
+    path = tmp_path / "store.journal"
+    server = StoreServer(journal=path)
+    server.set("x", "y")
+    for _ in range(10_010):  # past 4x the snapshot (0 records) plus 10000: compacted once
+        server.add("beat", 1)
+    server.close()
+    assert path.stat().st_size < 2000  # a snapshot of 2 keys and a few records since
+    assert StoreServer(journal=path)._data == {b"/x": b"y", b"/beat": b"10010"}
+
+
+def test_a_torn_last_record_is_ignored(tmp_path):
+    path, lines = tmp_path / "store.journal", []
+    server = StoreServer(journal=path)
+    server.set("kept", "1")
+    server.set("torn", "2")
+    server.close()
+    path.write_bytes(path.read_bytes()[:-3])  # killed in the middle of the last write
+    again = StoreServer(lines.append, journal=path)
+    assert again._data == {b"/kept": b"1"}
+    assert len(lines) == 1 and "torn last record" in lines[0] and str(path) in lines[0]
+    again.set("more", "3")  # the file was rewritten whole: appends go on after a whole record
+    again.close()
+    assert StoreServer(journal=path)._data == {b"/kept": b"1", b"/more": b"3"}
+
+
+def test_clear_empties_the_store_and_the_journal(tmp_path):
+    path = tmp_path / "store.journal"
+    server = StoreServer(journal=path)
+    server.set("a", "1")
+    server.clear()
+    assert server._data == {} and not server.check(["a"])
+    server.set("b", "2")
+    server.close()
+    assert StoreServer(journal=path)._data == {b"/b": b"2"}
+
+
+@pytest.mark.parametrize("damage", ["header", "length", "value"])
+def test_a_corrupt_journal_is_an_error_naming_it(tmp_path, damage):
+    path = tmp_path / "store.journal"
+    server = StoreServer(journal=path)
+    server.set("a", "1")
+    server.set("b", "2")
+    server.close()
+    data = bytearray(path.read_bytes())
+    first = len(JOURNAL_HEADER)  # the first record: its op, lengths, CRC, b"/a", b"1", CRC
+    data[{"header": 0, "length": first + 1, "value": first + 23}[damage]] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=str(path)):
+        StoreServer(journal=path)

@@ -21,6 +21,21 @@ Queues, `LIST_KEYS` and `BARRIER` are not served: nothing in frugaltrain uses th
 is sent under the store's one lock, so replies keep their order; a client that stops reading is
 dropped after SEND_TIMEOUT_S instead of holding the store.
 
+The journal (`StoreServer(journal=path)`), so that a coordinator restarted with `--resume` finds
+the store as it was: on start the file is loaded, then rewritten as a snapshot of the contents
+(a tmp file renamed over it). Every applied mutation is appended as one record, under the store's
+lock and before any reply (or any waiter's wake-up) is sent: SET, APPEND, each pair of MULTI_SET,
+an ADD, a COMPARE_SET that set the key, a DELETE_KEY that removed one; the in-process calls too.
+A record is an op byte (S set, A append, D delete), the key's and the value's lengths and a
+CRC-32 of those, the key, the value, and a CRC-32 of the record; the file opens with a header
+line naming its version. The file is
+compacted again once it holds 4x the last snapshot's records plus 10000 (heartbeat ADDs come
+several times a second per worker). Each record is flushed to the kernel, not fsynced: a killed
+coordinator loses nothing it wrote (the kernel has it; a torn last record is ignored on load),
+while a machine that crashes may lose the page cache's last seconds. The store is rebuilt by
+the run's processes anyway (heartbeats, rendezvous), and an fsync per heartbeat ADD would cost
+more than that loss. `clear()` empties the store and the journal.
+
 In process, `StoreServer` has the calls of torch's `Store` that the coordinator needs (`get`,
 `set`, `check`, `compare_set`, `add`), and `PrefixView` is torch's `PrefixStore` for any object
 with those calls.
@@ -29,11 +44,14 @@ with those calls.
 from __future__ import annotations
 
 import enum
+import os
 import socket
 import struct
 import threading
+import zlib
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import BinaryIO, Protocol
 
 MAGIC = 0x3C85F7CE
 MAX_KEY = 8 * 1024
@@ -97,18 +115,20 @@ def _value(b: bytes) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-class _Client:
-    """One client connection: its socket, a reader over it, and the keys it waits for."""
+class Reader:
+    """Whole items of the protocol from a socket, within torch's limits. While `taken` is a
+    bytearray, every byte read is also added to it (the store tunnel forwards queries as read)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader = sock.makefile("rb")
-        self.waiting: set[bytes] = set()
+        self.file = sock.makefile("rb")
+        self.taken: bytearray | None = None
 
     def read(self, n: int) -> bytes:
-        data = self.reader.read(n)
+        data = self.file.read(n)
         if data is None or len(data) != n:
             raise EOFError
+        if self.taken is not None:
+            self.taken += data
         return data
 
     def u64(self) -> int:
@@ -126,11 +146,178 @@ class _Client:
             raise ProtocolError(f"{n} keys in one query, more than {MAX_KEYS}")
         return n
 
+    def opening(self) -> None:
+        """The connection's first bytes: VALIDATE and the magic number, or ProtocolError."""
+        first = self.read(5)
+        if first[0] != Query.VALIDATE or struct.unpack("<I", first[1:])[0] != MAGIC:
+            raise ProtocolError("the connection did not open with TCPStore's magic number")
+
+
+def read_args(r: Reader, q: int) -> tuple:
+    """Query `q`'s arguments, read whole: keys and values as bytes, ADD's delta an int, PING's
+    nonce 4 bytes; CHECK, WAIT and MULTI_GET give one list of keys, MULTI_SET one of pairs.
+    ProtocolError for a query this store does not serve."""
+    if q in (Query.SET, Query.APPEND):
+        return r.blob(MAX_KEY), r.blob(MAX_VALUE)
+    if q == Query.COMPARE_SET:
+        return r.blob(MAX_KEY), r.blob(MAX_VALUE), r.blob(MAX_VALUE)
+    if q in (Query.GET, Query.DELETE_KEY):
+        return (r.blob(MAX_KEY),)
+    if q == Query.ADD:
+        return r.blob(MAX_KEY), struct.unpack("<q", r.read(8))[0]
+    if q in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
+        return ([r.blob(MAX_KEY) for _ in range(r.count())],)
+    if q == Query.MULTI_SET:
+        return ([(r.blob(MAX_KEY), r.blob(MAX_VALUE)) for _ in range(r.count())],)
+    if q == Query.PING:
+        return (r.read(4),)
+    if q in (Query.GETNUMKEYS, Query.CANCEL_WAIT):
+        return ()
+    name = Query(q).name if q in Query._value2member_map_ else str(q)
+    raise ProtocolError(f"query {name} is not served by this store")
+
+
+NO_REPLY = (Query.SET, Query.APPEND, Query.MULTI_SET)
+
+
+def read_reply(r: Reader, q: int, n_keys: int) -> bytes:
+    """The server's whole reply to query `q` (not one of NO_REPLY); `n_keys`: MULTI_GET's
+    number of keys. The server is trusted here: a value's length is not limited."""
+    if q in (Query.COMPARE_SET, Query.GET):
+        return _value(r.read(r.u64()))
+    if q == Query.MULTI_GET:
+        return b"".join(_value(r.read(r.u64())) for _ in range(n_keys))
+    if q in (Query.ADD, Query.GETNUMKEYS, Query.DELETE_KEY):
+        return r.read(8)
+    if q == Query.PING:
+        return r.read(4)
+    return r.read(1)  # CHECK, WAIT, CANCEL_WAIT
+
+
+class _Client(Reader):
+    """One client connection: its socket, a reader over it, and the keys it waits for."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self.sock = sock
+        self.waiting: set[bytes] = set()
+
+
+JOURNAL_HEADER = b"frugaltrain store journal, version 1\n"
+_SET, _APPEND, _DELETE = b"S", b"A", b"D"
+_HEAD = struct.Struct("<cQQI")  # op, key length, value length, CRC-32 of those
+_CRC = struct.Struct("<I")
+
+
+def _record(op: bytes, key: bytes, value: bytes = b"") -> bytes:
+    """One journal record: a head (the op byte, the key's and the value's lengths as uint64s,
+    and their CRC-32), the key, the value, then the CRC-32 of all that. A torn write leaves a
+    short record; corruption fails a CRC (the head's own one: a bad length is not taken as torn)."""
+    lengths = struct.pack("<cQQ", op, len(key), len(value))
+    body = lengths + _CRC.pack(zlib.crc32(lengths)) + key + value
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _parse(data: bytes, pos: int) -> tuple[bytes, bytes, bytes, int] | None:
+    """The record at `pos` as (op, key, value, end), or None if the file ends inside it;
+    ValueError if it is corrupt."""
+    if pos + _HEAD.size > len(data):
+        return None
+    op, n_key, n_value, crc = _HEAD.unpack_from(data, pos)
+    if crc != zlib.crc32(data[pos : pos + _HEAD.size - _CRC.size]) or op not in (
+        _SET,
+        _APPEND,
+        _DELETE,
+    ):
+        raise ValueError(f"corrupt record head at byte {pos}")
+    key_at = pos + _HEAD.size
+    end = key_at + n_key + n_value
+    if end + _CRC.size > len(data):
+        return None
+    if _CRC.unpack_from(data, end)[0] != zlib.crc32(data[pos:end]):
+        raise ValueError(f"corrupt record at byte {pos}")
+    return op, data[key_at : key_at + n_key], data[key_at + n_key : end], end + _CRC.size
+
+
+def _replay(data: dict[bytes, bytes], op: bytes, key: bytes, value: bytes) -> None:
+    if op == _SET:
+        data[key] = value
+    elif op == _APPEND:
+        data[key] = data.get(key, b"") + value
+    else:
+        data.pop(key, None)
+
+
+class Journal:
+    """The store's contents in a file: a snapshot, then each mutation since, appended. The
+    caller holds the store's lock around every call."""
+
+    def __init__(self, path: Path, log: Callable[[str], None]) -> None:
+        self.path, self.log = Path(path), log
+        self._file: BinaryIO | None = None
+        self._records = 0  # in the file now
+        self._snapshot = 0  # in the last snapshot
+
+    def load(self) -> dict[bytes, bytes]:
+        """The contents the file holds ({} if there is none). A torn last record (a killed
+        process) is ignored with a log line; other corruption is a ValueError naming the file."""
+        if not self.path.exists():
+            return {}
+        data, out = self.path.read_bytes(), {}
+        if not data.startswith(JOURNAL_HEADER):
+            raise ValueError(f"{self.path}: not a frugaltrain store journal of this version")
+        pos = len(JOURNAL_HEADER)
+        while pos < len(data):
+            try:
+                rec = _parse(data, pos)
+            except ValueError as e:
+                raise ValueError(f"{self.path}: {e}") from None
+            if rec is None:
+                self.log(
+                    f"store: ignored a torn last record in {self.path} ({len(data) - pos} bytes)"
+                )
+                break
+            op, key, value, pos = rec
+            _replay(out, op, key, value)
+        return out
+
+    def compact(self, contents: dict[bytes, bytes]) -> None:
+        """Rewrite the file as one snapshot of `contents` (a tmp file renamed over it: a crash
+        leaves the old file or the new one), then append to it."""
+        self.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(JOURNAL_HEADER)
+            for key, value in contents.items():
+                f.write(_record(_SET, key, value))
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "ab")  # noqa: SIM115 (open until close())
+        self._records = self._snapshot = len(contents)
+
+    def append(self, record: bytes, contents: dict[bytes, bytes]) -> None:
+        """Write one record through to the kernel (flushed, not fsynced); compact once the file
+        holds 4x the last snapshot's records plus 10000 (heartbeat ADDs keep coming)."""
+        if self._file is None:
+            return  # closed: the server is going away, its late writes with it
+        self._file.write(record)
+        self._file.flush()
+        self._records += 1
+        if self._records > 4 * self._snapshot + 10_000:
+            self.compact(contents)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
 
 class StoreServer:
-    """See the module docstring. `listen` serves clients on a port; `serve` one connection."""
+    """See the module docstring. `listen` serves clients on a port; `serve` one connection.
+    With `journal`, the contents are loaded from that file and every mutation is written to it."""
 
-    def __init__(self, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, log: Callable[[str], None] | None = None, journal: Path | None = None
+    ) -> None:
         self.log = log  # told why each broken connection was closed
         self._data: dict[bytes, bytes] = {}
         self._clients: set[_Client] = set()
@@ -138,6 +325,28 @@ class StoreServer:
         self._listener: socket.socket | None = None
         self.port = 0
         self.dropped: list[str] = []  # why each broken connection was closed, in order
+        self._journal: Journal | None = None
+        if journal is not None:
+            self._journal = Journal(journal, log or print)
+            self._data = self._journal.load()
+            self._journal.compact(self._data)
+        self._answers = {
+            Query.SET: self._set,
+            Query.APPEND: self._append,
+            Query.COMPARE_SET: lambda c, k, e, d: self._reply(
+                c, _value(self._compare_set(k, e, d))
+            ),
+            Query.GET: lambda c, k: self._reply(c, _value(self._data.get(k, b""))),
+            Query.ADD: lambda c, k, delta: self._reply(c, struct.pack("<q", self._add(k, delta))),
+            Query.CHECK: self._check,
+            Query.WAIT: self._wait,
+            Query.MULTI_GET: self._multi_get,
+            Query.MULTI_SET: self._multi_set,
+            Query.GETNUMKEYS: lambda c: self._reply(c, struct.pack("<q", len(self._data))),
+            Query.DELETE_KEY: lambda c, k: self._reply(c, struct.pack("<q", int(self._delete(k)))),
+            Query.CANCEL_WAIT: self._cancel_wait,
+            Query.PING: self._reply,
+        }
 
     # ---- the network side
     def listen(self, host: str = "127.0.0.1", port: int = 0) -> StoreServer:
@@ -164,11 +373,12 @@ class StoreServer:
         with self._lock:
             self._clients.add(client)
         try:
-            opening = client.read(5)
-            if opening[0] != Query.VALIDATE or struct.unpack("<I", opening[1:])[0] != MAGIC:
-                raise ProtocolError("the connection did not open with TCPStore's magic number")
+            client.opening()
             while True:
-                self._query(client, client.read(1)[0])
+                q = client.read(1)[0]
+                args = read_args(client, q)  # outside the lock: a slow client holds nobody
+                with self._lock:
+                    self._answers[q](client, *args)
         except EOFError:
             pass  # the client left
         except (ProtocolError, OSError) as e:
@@ -178,11 +388,11 @@ class StoreServer:
         finally:
             with self._lock:
                 self._clients.discard(client)
-            client.reader.close()
+            client.file.close()
             sock.close()
 
     def close(self) -> None:
-        """Stop listening and end every client's connection."""
+        """Stop listening, end every client's connection, and close the journal."""
         if self._listener is not None:
             self._listener.close()
         with self._lock:
@@ -191,68 +401,43 @@ class StoreServer:
                     c.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            if self._journal is not None:
+                self._journal.close()
 
-    def _query(self, c: _Client, q: int) -> None:
-        """Read query `q`'s arguments (outside the lock: a slow client holds nobody), then do it
-        and reply under the lock."""
-        if q in (Query.SET, Query.APPEND):
-            key, value = c.blob(MAX_KEY), c.blob(MAX_VALUE)
-            with self._lock:
-                self._write(key, self._data.get(key, b"") + value if q == Query.APPEND else value)
-        elif q == Query.COMPARE_SET:
-            key, expected, desired = c.blob(MAX_KEY), c.blob(MAX_VALUE), c.blob(MAX_VALUE)
-            with self._lock:
-                self._reply(c, _value(self._compare_set(key, expected, desired)))
-        elif q == Query.GET:
-            key = c.blob(MAX_KEY)
-            with self._lock:
-                self._reply(c, _value(self._data.get(key, b"")))
-        elif q == Query.ADD:
-            key, (delta,) = c.blob(MAX_KEY), struct.unpack("<q", c.read(8))
-            with self._lock:
-                self._reply(c, struct.pack("<q", self._add(key, delta)))
-        elif q in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
-            keys = [c.blob(MAX_KEY) for _ in range(c.count())]
-            with self._lock:
-                self._keys_query(c, q, keys)
-        elif q == Query.MULTI_SET:
-            pairs = [(c.blob(MAX_KEY), c.blob(MAX_VALUE)) for _ in range(c.count())]
-            with self._lock:
-                for key, value in pairs:
-                    self._write(key, value)
-        else:
-            self._plain_query(c, q)
+    def clear(self) -> None:
+        """Empty the store and its journal (a resume that goes on from checkpoints instead)."""
+        with self._lock:
+            self._data = {}
+            if self._journal is not None:
+                self._journal.compact(self._data)
 
-    def _keys_query(self, c: _Client, q: int, keys: list[bytes]) -> None:
+    # ---- each query's answer, under the lock
+    def _set(self, c: _Client, key: bytes, value: bytes) -> None:
+        self._write(key, value)
+
+    def _append(self, c: _Client, key: bytes, value: bytes) -> None:
+        self._write(key, self._data.get(key, b"") + value, appended=value)
+
+    def _multi_set(self, c: _Client, pairs: list[tuple[bytes, bytes]]) -> None:
+        for key, value in pairs:
+            self._write(key, value)
+
+    def _check(self, c: _Client, keys: list[bytes]) -> None:
+        self._reply(c, READY if all(k in self._data for k in keys) else NOT_READY)
+
+    def _multi_get(self, c: _Client, keys: list[bytes]) -> None:
+        self._reply(c, b"".join(_value(self._data.get(k, b"")) for k in keys))
+
+    def _wait(self, c: _Client, keys: list[bytes]) -> None:
         missing = {k for k in keys if k not in self._data}
-        if q == Query.CHECK:
-            self._reply(c, NOT_READY if missing else READY)
-        elif q == Query.MULTI_GET:
-            self._reply(c, b"".join(_value(self._data.get(k, b"")) for k in keys))
-        elif missing:
+        if missing:
             c.waiting = missing  # answered by the write of the last one
         else:
             self._reply(c, STOP_WAITING)
 
-    def _plain_query(self, c: _Client, q: int) -> None:
-        if q == Query.PING:
-            nonce = c.read(4)
-            with self._lock:
-                self._reply(c, nonce)
-        elif q == Query.GETNUMKEYS:
-            with self._lock:
-                self._reply(c, struct.pack("<q", len(self._data)))
-        elif q == Query.DELETE_KEY:
-            key = c.blob(MAX_KEY)
-            with self._lock:
-                self._reply(c, struct.pack("<q", int(self._data.pop(key, None) is not None)))
-        elif q == Query.CANCEL_WAIT:
-            with self._lock:
-                c.waiting = set()
-                self._reply(c, WAIT_CANCELED)
-        else:
-            name = Query(q).name if q in Query._value2member_map_ else str(q)
-            raise ProtocolError(f"query {name} is not served by this store")
+    def _cancel_wait(self, c: _Client) -> None:
+        c.waiting = set()
+        self._reply(c, WAIT_CANCELED)
 
     def _reply(self, c: _Client, data: bytes) -> None:
         """Send under the lock (replies keep their order); a client that does not read within
@@ -266,14 +451,26 @@ class StoreServer:
             except OSError:
                 pass
 
-    # ---- the data, under the lock
-    def _write(self, key: bytes, value: bytes) -> None:
+    # ---- the data, under the lock; each change is journaled before anyone is answered
+    def _write(self, key: bytes, value: bytes, appended: bytes | None = None) -> None:
         self._data[key] = value
+        if self._journal is not None:
+            record = (
+                _record(_SET, key, value) if appended is None else _record(_APPEND, key, appended)
+            )
+            self._journal.append(record, self._data)
         for c in self._clients:
             if key in c.waiting:
                 c.waiting.discard(key)
                 if not c.waiting:
                     self._reply(c, STOP_WAITING)
+
+    def _delete(self, key: bytes) -> bool:
+        if self._data.pop(key, None) is None:
+            return False
+        if self._journal is not None:
+            self._journal.append(_record(_DELETE, key), self._data)
+        return True
 
     def _compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
         """torch's rule: a missing key is set iff `expected` is empty; otherwise the reply is
