@@ -205,6 +205,7 @@ class _Client(Reader):
 
 JOURNAL_HEADER = b"frugaltrain store journal, version 1\n"
 _SET, _APPEND, _DELETE = b"S", b"A", b"D"
+_OPS = (_SET, _APPEND, _DELETE)
 _HEAD = struct.Struct("<cQQI")  # op, key length, value length, CRC-32 of those
 _CRC = struct.Struct("<I")
 
@@ -224,11 +225,7 @@ def _parse(data: bytes, pos: int) -> tuple[bytes, bytes, bytes, int] | None:
     if pos + _HEAD.size > len(data):
         return None
     op, n_key, n_value, crc = _HEAD.unpack_from(data, pos)
-    if crc != zlib.crc32(data[pos : pos + _HEAD.size - _CRC.size]) or op not in (
-        _SET,
-        _APPEND,
-        _DELETE,
-    ):
+    if crc != zlib.crc32(data[pos : pos + _HEAD.size - _CRC.size]) or op not in _OPS:
         raise ValueError(f"corrupt record head at byte {pos}")
     key_at = pos + _HEAD.size
     end = key_at + n_key + n_value
