@@ -14,7 +14,9 @@ An authenticated peer's first framed message says what it wants:
 
 `StoreTunnel` runs on a joining machine: it listens on 127.0.0.1, and each local connection
 (a TCPStore client) gets its own authenticated connection to the gateway, spliced once
-`{"want": "store"}` is sent.
+`{"want": "store"}` is sent. With `hold_s` > 0 it reads the store protocol instead of splicing,
+so that a client's connection outlives a coordinator restart: requests wait while the gateway is
+away and are replayed once it is back (what a replay means for each query: `StoreTunnel`).
 
 Not protected: spliced store bytes carry no MAC and no encryption, so an attacker on the network
 path could hijack a live connection after its handshake. Run on a private network or WireGuard
@@ -25,11 +27,23 @@ until it authenticates.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from frugaltrain.comm.auth import Channel, Refused, connect, server_handshake
+from frugaltrain.comm.store import (
+    MAGIC,
+    NO_REPLY,
+    WAIT_CANCELED,
+    ProtocolError,
+    Query,
+    Reader,
+    read_args,
+    read_reply,
+)
 
 _CHUNK = 1 << 16
 
@@ -239,7 +253,30 @@ class Gateway(_Server):
 
 
 class StoreTunnel(_Server):
-    """A local port for TCPStore clients on a joining machine, forwarded through the gateway."""
+    """A local port for TCPStore clients on a joining machine, forwarded through the gateway.
+
+    With `hold_s` 0 each local connection is spliced to its gateway connection: when the
+    coordinator goes, the client's connection goes with it. With `hold_s` > 0 each local
+    connection gets a `_Relay` that reads the client's queries and the store's replies whole
+    and keeps every request not yet answered. When the gateway connection breaks, the client's
+    connection stays open: the relay reconnects every _RETRY_S for up to `hold_s` seconds and
+    replays, in order, what is unanswered and what the client sent meanwhile; past `hold_s` it
+    closes the client's connection (the client errors as it would have without a hold).
+
+    What a replay does, on a coordinator restarted with its store's journal:
+        GET, CHECK, MULTI_GET, WAIT, GETNUMKEYS, PING, SET, MULTI_SET are idempotent. A WAIT
+        is sent again with all its keys: those already written answer at once.
+        COMPARE_SET applied before the break returns, replayed, the value it set, which is what
+        torch's callers compare with: it reads as a success.
+        ADD (and APPEND) whose reply was lost after the old store applied and journaled it is
+        applied twice: there is a window between the journal's write and the reply. One
+        heartbeat counted twice is harmless; a counter that must be exact is not protected.
+        DELETE_KEY replayed after it was applied answers 0 (nothing deleted).
+
+    `away_since` is time.monotonic() when the gateway was found gone and is not back yet, else
+    None; `held` counts the requests waiting for a reply (or, without one, not yet known
+    applied) over all local connections.
+    """
 
     def __init__(
         self,
@@ -248,29 +285,44 @@ class StoreTunnel(_Server):
         token: bytes,
         timeout_s: float = 10.0,
         log: Callable[[str], None] = print,
+        hold_s: float = 0.0,
     ):
         self.host, self.gateway_port = host, port
         self.timeout_s = timeout_s
         self.log = log
+        self.hold_s = hold_s
         self.port = 0  # the local port, once started
+        self.away_since: float | None = None
         self._token = token
+        self._relays: set[_Relay] = set()
+        self._away_lock = threading.Lock()
         super().__init__()
 
     def start(self) -> StoreTunnel:
-        self.port = self._serve_on("127.0.0.1", 0, self._forward, "store-tunnel")
+        handle = self._hold if self.hold_s > 0 else self._forward
+        self.port = self._serve_on("127.0.0.1", 0, handle, "store-tunnel")
         return self
+
+    @property
+    def held(self) -> int:
+        return sum(r.held for r in list(self._relays))
+
+    def _open_store(self, timeout_s: float) -> socket.socket:
+        """An authenticated gateway connection that carries raw store bytes from here on."""
+        channel = connect(self.host, self.gateway_port, self._token, timeout_s)
+        channel.send({"want": "store"})
+        remote = channel.sock
+        remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return remote
 
     def _forward(self, local: socket.socket, peer: str) -> None:
         try:
-            channel = connect(self.host, self.gateway_port, self._token, self.timeout_s)
-            channel.send({"want": "store"})  # from here on the socket carries raw bytes
+            remote = self._open_store(self.timeout_s)
         except (OSError, Refused) as e:
             self.log(f"store tunnel: {e}")
             self._sockets.discard(local)
             local.close()
             return
-        remote = channel.sock
-        remote.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._sockets.add(remote):
             local.close()
             remote.close()
@@ -279,3 +331,234 @@ class StoreTunnel(_Server):
             splice(local, remote)
         finally:
             self._sockets.discard(local, remote)
+
+    def _hold(self, local: socket.socket, peer: str) -> None:
+        relay = _Relay(self, local)
+        self._relays.add(relay)
+        try:
+            relay.run()
+        finally:
+            self._relays.discard(relay)
+            self._sockets.discard(local)
+
+    def _went_away(self) -> None:
+        with self._away_lock:
+            if self.away_since is None:
+                self.away_since = time.monotonic()
+                self.log(
+                    f"store tunnel: lost the coordinator at {self.host}:{self.gateway_port}; "
+                    f"holding {self.held} requests, up to {self.hold_s:g} s"
+                )
+
+    def _came_back(self) -> None:
+        with self._away_lock:
+            if self.away_since is not None:
+                away = time.monotonic() - self.away_since
+                self.away_since = None
+                self.log(
+                    f"store tunnel: the coordinator at {self.host}:{self.gateway_port} is back "
+                    f"after {away:.1f} s; replaying {self.held} requests"
+                )
+
+
+_HELLO = bytes([Query.VALIDATE]) + struct.pack("<I", MAGIC)
+_RETRY_S = 0.5
+_CONFIRM_AFTER = 16  # no-reply requests in a row before the relay sends a PING of its own
+_OWN_PING = bytes([Query.PING]) + b"ftrl"
+
+
+@dataclass
+class _Request:
+    """One whole request as the client sent it; `own`: the relay's PING (its echo is not
+    passed on); `n_keys`: MULTI_GET's number of keys (of values in its reply)."""
+
+    query: int
+    raw: bytes
+    n_keys: int = 0
+    own: bool = False
+
+
+class _Relay:
+    """One local TCPStore client's connection through the gateway, held while the gateway is
+    away (see StoreTunnel). The handler thread reads the client's requests and sends them; a
+    second thread owns the gateway connection: it connects, replays what is unanswered, and
+    passes the replies back whole.
+
+    A request leaves `pending` when a reply shows the store handled it: its own reply, or, for
+    SET, APPEND and MULTI_SET (no reply), the reply to any later request, since the store
+    handles one connection's queries in order. Until then a no-reply request is replayed too:
+    the break may have come before the store read it. A client that only sets would keep them
+    all, so after _CONFIRM_AFTER of them in a row the relay sends a PING of its own, whose echo
+    proves them applied. Assumes torch's client: while a WAIT is unanswered it sends nothing
+    but CANCEL_WAIT (the one byte of STOP_WAITING could not be told from another reply).
+    """
+
+    def __init__(self, tunnel: StoreTunnel, local: socket.socket) -> None:
+        self.tunnel, self.local = tunnel, local
+        self.pending: list[_Request] = []  # in the order sent, until known handled
+        self.remote: socket.socket | None = None  # None while away: requests wait in pending
+        self._lock = threading.Lock()  # pending and remote
+        self._send_lock = threading.Lock()  # bytes to the gateway in order: a replay, then new
+        self._done = threading.Event()  # the client left, or the relay gave up
+
+    @property
+    def held(self) -> int:
+        return sum(not x.own for x in list(self.pending))
+
+    def run(self) -> None:
+        """Relay until the client leaves, the gateway stays away past hold_s, or close()."""
+        self.local.settimeout(None)
+        remote = threading.Thread(target=self._remote_loop, daemon=True, name="store-relay")
+        remote.start()
+        try:
+            self._read_requests()
+        except (EOFError, OSError):
+            pass  # the client left, or its connection was closed here
+        except ProtocolError as e:
+            self.tunnel.log(f"store tunnel: closed a client's connection: {e}")
+        finally:
+            self._done.set()
+            with self._lock:
+                if self.remote is not None:
+                    _shutdown(self.remote)  # wakes the remote thread
+            remote.join(self.tunnel.timeout_s + _RETRY_S)
+            self.local.close()
+
+    # ---- the client's side: its requests, read whole
+    def _read_requests(self) -> None:
+        r = Reader(self.local)
+        r.opening()  # checked here; each gateway connection gets the relay's own
+        while True:
+            r.taken = bytearray()
+            q = r.read(1)[0]
+            args = read_args(r, q)
+            n_keys = len(args[0]) if q == Query.MULTI_GET else 0
+            self._submit(_Request(q, bytes(r.taken), n_keys))
+
+    def _submit(self, req: _Request) -> None:
+        """Keep `req` until it is answered; send it now if the gateway is there (else the
+        replay will)."""
+        with self._send_lock:
+            with self._lock:
+                self.pending.append(req)
+                data = req.raw + self._confirm()
+                sock = self.remote
+            if sock is not None:
+                self._send(sock, data)
+
+    def _confirm(self) -> bytes:
+        """The relay's own PING after _CONFIRM_AFTER no-reply requests in a row (see the class
+        docstring); none while a WAIT is unanswered (its reply could come before the echo)."""
+        tail = self.pending[-_CONFIRM_AFTER:]
+        if len(tail) < _CONFIRM_AFTER or any(x.query not in NO_REPLY for x in tail):
+            return b""
+        if any(x.query == Query.WAIT for x in self.pending):
+            return b""
+        self.pending.append(_Request(Query.PING, _OWN_PING, own=True))
+        return _OWN_PING
+
+    def _send(self, sock: socket.socket, data: bytes) -> None:
+        try:
+            sock.sendall(data)
+        except OSError:
+            _shutdown(sock)  # the remote thread sees the break, reconnects and replays
+
+    # ---- the gateway's side
+    def _remote_loop(self) -> None:
+        deadline = time.monotonic() + self.tunnel.hold_s  # the first connection is held too
+        while (sock := self._connect(deadline)) is not None:
+            self._serve(sock)
+            if self._stopping():
+                break
+            self.tunnel._went_away()
+            deadline = time.monotonic() + self.tunnel.hold_s
+        _shutdown(self.local)  # gave up or done: the client's next read fails, as without a hold
+
+    def _connect(self, deadline: float) -> socket.socket | None:
+        """A gateway connection, tried every _RETRY_S until `deadline`; None when the relay
+        gives up or is done."""
+        t = self.tunnel
+        while not self._stopping():
+            timeout_s = min(t.timeout_s, max(_RETRY_S, deadline - time.monotonic()))
+            try:
+                sock = t._open_store(timeout_s)
+            except (OSError, Refused) as e:
+                t._went_away()
+                if time.monotonic() >= deadline:
+                    t.log(
+                        f"store tunnel: the coordinator at {t.host}:{t.gateway_port} did not come "
+                        f"back within {t.hold_s:g} s ({e}); closing a store client's connection "
+                        f"with {self.held} requests held"
+                    )
+                    self._done.set()
+                    return None
+                self._done.wait(_RETRY_S)
+                continue
+            if not t._sockets.add(sock):
+                sock.close()  # the tunnel is closing
+                return None
+            t._came_back()
+            return sock
+        return None
+
+    def _stopping(self) -> bool:
+        return self._done.is_set() or self.tunnel._sockets.closed
+
+    def _serve(self, sock: socket.socket) -> None:
+        """Replay what is unanswered on `sock`, then pass its replies back until it breaks."""
+        sock.settimeout(None)
+        replay = threading.Thread(target=self._replay, args=(sock,), daemon=True)
+        replay.start()  # on its own thread: replies to a long replay are read meanwhile
+        reader = Reader(sock)
+        try:
+            while True:
+                self._pass_reply(reader)
+        except (EOFError, OSError):
+            pass  # the gateway went: the caller holds and reconnects
+        except ProtocolError as e:
+            self.tunnel.log(f"store tunnel: closed a client's connection: {e}")
+            self._done.set()
+        finally:
+            _shutdown(sock)
+            replay.join()  # before remote is cleared: a late replay must not set it again
+            with self._lock:
+                self.remote = None
+            self.tunnel._sockets.discard(sock)
+            reader.file.close()
+            sock.close()
+
+    def _replay(self, sock: socket.socket) -> None:
+        """The opening, then every unanswered request, before any new one (the send lock)."""
+        with self._send_lock:
+            with self._lock:
+                self.remote = sock
+                data = _HELLO + b"".join(x.raw for x in self.pending)
+            self._send(sock, data)
+
+    def _pass_reply(self, r: Reader) -> None:
+        """Read the next reply whole, drop the requests it shows handled, pass it on."""
+        if not r.file.peek(1):
+            raise EOFError  # a reply has begun, so its request is in pending
+        with self._lock:
+            i = next((i for i, x in enumerate(self.pending) if x.query not in NO_REPLY), None)
+            if i is None:
+                raise ProtocolError("the store sent a reply to no request")
+            head = self.pending[i]
+        reply = read_reply(r, head.query, head.n_keys)
+        with self._lock:
+            last = i
+            if head.query == Query.WAIT and reply == WAIT_CANCELED:
+                last = self._cancel_after(i)  # cancelled first: this byte answers both
+            del self.pending[: last + 1]
+        if not head.own:
+            try:
+                self.local.sendall(reply)
+            except OSError:
+                self._done.set()  # the client left
+                raise EOFError from None
+
+    def _cancel_after(self, i: int) -> int:
+        for j in range(i + 1, len(self.pending)):
+            if self.pending[j].query == Query.CANCEL_WAIT:
+                return j
+        raise ProtocolError("the store cancelled a wait the client did not cancel")

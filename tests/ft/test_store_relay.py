@@ -1,0 +1,185 @@
+"""comm/gateway.py's StoreTunnel with hold_s: torch's TCPStore clients ride out a coordinator
+restart (its gateway and its store, brought back from the store's journal on the same port): a
+request issued while it is away is held and answered once it is back, a wait goes on across the
+restart, and past hold_s the client gets an error, as it does at once without a hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from frugaltrain.comm.auth import TOKEN_BYTES, Channel
+from frugaltrain.comm.gateway import Gateway, StoreTunnel
+from frugaltrain.comm.store import StoreServer
+
+TOKEN = bytes(range(TOKEN_BYTES))
+
+
+def _no_control(request: dict, channel: Channel) -> None:
+    raise AssertionError(f"only store connections expected, got {request}")
+
+
+class _Coordinator:
+    """What the coordinator hosts: a store with a journal behind a gateway."""
+
+    def __init__(self, journal: Path, port: int = 0) -> None:
+        self.lines: list[str] = []
+        self.store = StoreServer(self.lines.append, journal=journal).listen()
+        store_addr = ("127.0.0.1", self.store.port)
+        self.gateway = Gateway("127.0.0.1", port, TOKEN, store_addr, _no_control, self.lines.append)
+        self.port = self.gateway.start().port
+
+    def kill(self) -> None:
+        """As a killed coordinator process: every connection to it ends."""
+        self.gateway.close()
+        self.store.close()
+
+
+def _client(tunnel: StoreTunnel, timeout_s: float = 30.0) -> dist.TCPStore:
+    t = timedelta(seconds=timeout_s)
+    return dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=t)
+
+
+def _until(ready, timeout_s: float = 10.0) -> None:
+    """Wait for `ready()` (an upper bound only, so that a bug fails instead of hanging)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, "not ready in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A coordinator and a list of every one started on its port (the last one is current)."""
+    started = [_Coordinator(tmp_path / "store.journal")]
+    yield started
+    started[-1].kill()  # again if a test killed it: no harm
+
+
+def _tunnel(run: list[_Coordinator], hold_s: float, lines: list[str]) -> StoreTunnel:
+    return StoreTunnel("127.0.0.1", run[0].port, TOKEN, log=lines.append, hold_s=hold_s).start()
+
+
+def _restart(run: list[_Coordinator], tmp_path: Path) -> None:
+    run.append(_Coordinator(tmp_path / "store.journal", run[0].port))
+
+
+def _session(store: dist.Store) -> list:
+    """Every query kind, with the answers a caller sees."""
+    store.set("a", "1")
+    out = [store.get("a"), store.add("n", 3), store.add("n", -1), store.check(["a", "x"])]
+    out += [store.compare_set("k", "", "v"), store.compare_set("k", "x", "w")]
+    store.multi_set(["m1", "m2"], ["x", b"\x00\xff"])
+    store.append("a", "2")
+    out += [store.multi_get(["m1", "m2", "a"]), store.num_keys()]
+    out += [store.delete_key("m1"), store.delete_key("m1"), store.check(["m2"])]
+    with pytest.raises(dist.DistStoreError):  # times out: the client cancels its wait
+        store.wait(["never"], timedelta(milliseconds=100))
+    big = bytes(range(256)) * 4096
+    store.set("big", big)
+    out.append(store.get("big") == big)
+    return out
+
+
+def test_a_held_tunnel_answers_as_the_store_does(run, tmp_path):
+    lines: list[str] = []
+    tunnel = _tunnel(run, hold_s=10, lines=lines)
+    plain = StoreServer().listen()
+    try:
+        direct = dist.TCPStore("127.0.0.1", plain.port, is_master=False)
+        assert _session(_client(tunnel)) == _session(direct)
+        sets = _client(tunnel)
+        for i in range(40):  # no replies: the relay's own PING after each 16 shows them applied
+            sets.set(f"s{i}", str(i))
+        _until(lambda: tunnel.held == 40 - 2 * 16)
+        assert sets.get("s39") == b"39" and tunnel.held == 0  # a reply: all before it applied
+        waiter, writer = _client(tunnel), _client(tunnel)
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(waiter.wait, ["late"], timedelta(seconds=30))
+            _until(lambda: tunnel.held == 1)  # the WAIT, unanswered
+            writer.set("late", "x")
+            assert done.result(timeout=30) is None
+    finally:
+        tunnel.close()
+        plain.close()
+    assert lines == [] and tunnel.away_since is None
+
+
+def test_requests_issued_while_away_are_answered_once_it_is_back(run, tmp_path):
+    lines: list[str] = []
+    tunnel = _tunnel(run, hold_s=10, lines=lines)
+    try:
+        c = _client(tunnel)
+        c.set("a", "1")
+        assert c.add("n", 1) == 1
+        run[-1].kill()
+        _until(lambda: tunnel.away_since is not None)
+        comeback = threading.Timer(1.0, _restart, (run, tmp_path))
+        comeback.start()
+        assert c.get("a") == b"1"  # from the journal
+        assert c.add("n", 2) == 3  # sent while away: applied once
+        c.set("b", "x")
+        assert c.get("b") == b"x"
+        comeback.join()
+        assert len(run) == 2 and run[-1].store.get("n") == b"3"
+        assert tunnel.away_since is None and tunnel.held == 0
+    finally:
+        tunnel.close()
+    where = f"the coordinator at 127.0.0.1:{run[0].port}"
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"store tunnel: lost {where}; holding ")
+    assert lines[1].startswith(f"store tunnel: {where} is back after ")
+
+
+def test_a_wait_goes_on_across_a_restart(run, tmp_path):
+    tunnel = _tunnel(run, hold_s=10, lines=[])
+    try:
+        waiter = _client(tunnel)
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(waiter.wait, ["k"], timedelta(seconds=30))
+            _until(lambda: tunnel.held == 1)  # the WAIT is out at the store
+            run[-1].kill()
+            _until(lambda: tunnel.away_since is not None)
+            assert tunnel.held == 1
+            _restart(run, tmp_path)
+            _until(lambda: tunnel.away_since is None)
+            assert not done.done()  # k is still missing on the new store: the wait was replayed
+            _client(tunnel).set("k", "v")
+            assert done.result(timeout=30) is None
+    finally:
+        tunnel.close()
+
+
+def test_past_hold_s_the_client_gets_an_error(run):
+    lines: list[str] = []
+    tunnel = _tunnel(run, hold_s=1, lines=lines)
+    try:
+        c = _client(tunnel)
+        c.set("a", "1")
+        run[-1].kill()
+        with pytest.raises(dist.DistNetworkError):
+            c.get("a")  # the client's own timeout is 30 s: the tunnel closed its connection
+    finally:
+        tunnel.close()
+    assert any("did not come back within 1 s" in line for line in lines), lines
+
+
+def test_without_a_hold_the_client_errors_when_the_gateway_goes(run):
+    lines: list[str] = []
+    tunnel = _tunnel(run, hold_s=0, lines=lines)
+    try:
+        c = _client(tunnel)
+        c.set("a", "1")
+        assert c.get("a") == b"1"
+        run[-1].kill()
+        with pytest.raises(dist.DistError):
+            c.get("a")
+    finally:
+        tunnel.close()
+    assert not any("holding" in line for line in lines)
