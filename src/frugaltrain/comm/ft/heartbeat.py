@@ -53,14 +53,22 @@ class Heartbeat:
         (self._silent.set if on else self._silent.clear)()
 
     def _beat(self) -> None:
+        """Beat until stopped. A failed beat (the store away past this client's timeout, or
+        its connection closed) opens a new client: a worker that goes on training must not
+        fall silent for good because the coordinator was away once."""
+        while not self._stop.is_set():
+            try:
+                self._beat_on(self._client())
+            except Exception:
+                self._stop.wait(1.0)
+
+    def _client(self) -> dist.Store:
         host, port, namespace = self._where
-        try:
-            client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
-            if namespace:
-                client = dist.PrefixStore(namespace, client)
-            while not self._stop.is_set():
-                if not self._silent.is_set():
-                    client.add(self._key, 1)
-                self._stop.wait(PERIOD_S)
-        except Exception:  # the store went away: the run is over
-            return
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        return dist.PrefixStore(namespace, client) if namespace else client
+
+    def _beat_on(self, client: dist.Store) -> None:
+        while not self._stop.is_set():
+            if not self._silent.is_set():
+                client.add(self._key, 1)
+            self._stop.wait(PERIOD_S)

@@ -10,7 +10,10 @@ posts, numbered in the order posted, and how a failure is survived.
             (fault_tolerance.deadline_factor x the p90 of recent round times, within
             [fault_tolerance.deadline_floor_s, run.timeout_s]: a peer alive but stuck; the
             members that have not posted the operation are cut out of the rendezvous), or when
-            another worker has marked the epoch broken in the store.
+            another worker has marked the epoch broken in the store. Time in which this
+            worker's own store reads were held up (the coordinator away: its machine's store
+            tunnel holds requests until it is back, comm/gateway.py) counts against neither
+            the deadline nor anyone's heartbeat: nobody's beats reached the store then.
     recover mark the epoch broken (the first reason wins) and re-rendezvous (world.py); the
             survivors build the new group and re-post (`settle`), in order, every operation from
             the lowest one any of them still has pending, now over the live set: an all-reduce
@@ -125,10 +128,9 @@ class OpLog:
     def _failure(self, op: Op, t_wait: float) -> str | None:
         """Poll `op` until it completes (None) or fails (why)."""
         world = self.world
-        next_check = t_wait + POLL_S
-        beats = {
-            m: (heartbeat.beat_of(world.store, m), t_wait) for m in op.members if m != world.rank
-        }
+        peers = [m for m in op.members if m != world.rank]
+        beats: dict[int, tuple[int, float]] = {}  # each peer's last count and when it moved
+        next_check, away = t_wait, 0.0  # away: time this worker's own store reads were held
         deadline, why = self.deadline()
         while True:
             if all(w.is_completed() for w in op.works):
@@ -144,13 +146,20 @@ class OpLog:
                 op.done, op.result = True, self._result(op)
                 return None
             now = time.monotonic()
-            if now - t_wait > deadline:
+            if now - t_wait - away > deadline:
                 return self._evict_stuck(op, why)
             if now >= next_check:
-                next_check = now + POLL_S
                 if world.has(keys.broken(op.epoch)):
                     return "another worker reported a failure"
-                reason = self._silent_member(beats, now)  # a straggler is waited for
+                counts = {m: heartbeat.beat_of(world.store, m) for m in peers}
+                after = time.monotonic()
+                next_check = after + POLL_S
+                held = after - now > world.hb_timeout_s / 2  # the coordinator away, say
+                if held or not beats:  # nobody's beats could reach the store meanwhile either
+                    away += (after - now) if held else 0.0
+                    beats = {m: (c, after) for m, c in counts.items()}
+                    continue
+                reason = self._silent_member(beats, counts, after)  # a straggler is waited for
                 if reason is not None:
                     return reason
             time.sleep(0.001)
@@ -192,12 +201,15 @@ class OpLog:
         key = keys.posted(member)
         return int(self.world.store.get(key)) if self.world.has(key) else -1
 
-    def _silent_member(self, beats: dict[int, tuple[int, float]], now: float) -> str | None:
+    def _silent_member(
+        self, beats: dict[int, tuple[int, float]], counts: dict[int, int], now: float
+    ) -> str | None:
         """The first member whose heartbeat has not moved for the heartbeat timeout (hung,
-        stopped or cut off); `beats` holds each one's last count and when it moved."""
+        stopped or cut off); `beats` holds each one's last count and when it moved, `counts`
+        the counts just read."""
         hb_timeout_s = self.world.hb_timeout_s
         for member, (last, since) in beats.items():
-            beat = heartbeat.beat_of(self.world.store, member)
+            beat = counts[member]
             if beat != last:
                 beats[member] = (beat, now)
             elif now - since > hb_timeout_s:
