@@ -147,6 +147,21 @@ def test_expire_dates_back_only_the_chosen_nodes():
     assert rendezvous_json.expire(server, "worker1", pid=1002) == 0  # another process
 
 
+def test_refresh_dates_every_heartbeat_and_nothing_else():
+    """A store restored from its journal: every node's heartbeat dated to the restart, so the
+    first handler to sync does not drop the others, whose keep-alives could not reach it."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    backend = _run_state(server)
+    backend.set_state(pickle.dumps(_state()))
+    before = pickle.loads(backend.get_state()[0])
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    assert rendezvous_json.refresh(server, now=now) == 4
+    after = pickle.loads(backend.get_state()[0])
+    assert after.last_heartbeats == dict.fromkeys(before.last_heartbeats, now)
+    after.last_heartbeats = before.last_heartbeats
+    assert _same(after, before)
+
+
 def test_close_sets_only_closed():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
     backend = _run_state(server)

@@ -193,6 +193,24 @@ def expire(store: Store, name: str, pid: int | None = None, namespace: str = "")
     return marked
 
 
+def refresh(store: Store, namespace: str = "", now: datetime | None = None) -> int:
+    """Date every node's heartbeat to `now` (the store was restored after the coordinator was
+    away, and no keep-alive could reach it meanwhile: without this, the first handler to sync
+    would drop every other node). Returns how many were dated."""
+    stamp = (now or datetime.now(timezone.utc)).isoformat()
+    dated = 0
+
+    def date(doc: dict) -> bool:
+        nonlocal dated
+        for pair in doc["last_heartbeats"]:
+            pair[1] = stamp
+        dated = len(doc["last_heartbeats"])
+        return bool(dated)
+
+    update(rendezvous_store(store, namespace), date)
+    return dated
+
+
 def close(store: Store, namespace: str = "") -> None:
     """Close the rendezvous in the run's `store`: a worker still waiting to join is told so and
     exits (torch's `set_closed`, without a handler)."""

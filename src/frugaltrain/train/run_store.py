@@ -25,6 +25,13 @@ def close_rendezvous(store: Store, cfg: Config) -> None:
         rendezvous_json.close(store, keys.namespace(s, cfg.run.shards))
 
 
+def refresh_rendezvous(store: Store, cfg: Config) -> int:
+    """Date every shard group's rendezvous heartbeats to now (the store came back from its
+    journal: comm/rendezvous_json.py's `refresh`). Returns how many nodes were dated."""
+    S = cfg.run.shards
+    return sum(rendezvous_json.refresh(store, keys.namespace(s, S)) for s in range(S))
+
+
 def forget(store: Store, cfg: Config, rank: int, pid: int | None = None) -> None:
     """Tell the rendezvous that process `rank` (only its start `pid`, if given) is gone, so the
     survivors drop it at their next sync instead of after its keep-alive expires. Best effort:
