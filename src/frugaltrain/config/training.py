@@ -233,9 +233,12 @@ class FaultToleranceSection(Section):
     """The shortest adaptive deadline, in seconds: slack for what a round can legitimately
     contain on one peer only (a checkpoint write, a slow evaluation)."""
     coordinator_wait_s: float = 600.0
-    """Across machines (frugaltrain join): how long a machine that lost the coordinator waits
-    for it to come back (`frugaltrain coordinator --resume`) before it exits with its
-    checkpoints in place."""
+    """Across machines (frugaltrain join): how long a machine that lost the coordinator keeps
+    its workers going and waits for it to come back (`frugaltrain coordinator --resume`); the
+    workers finish the round in hand and wait in their next store call. Past it, they stop and
+    the machine exits with its checkpoints in place. A store call held longer than a worker's
+    store timeout (run.timeout_s, at least 60 s) fails that worker, which its agent restarts
+    once the coordinator is back."""
     resume_wait_s: float = 120.0
     """Across machines: how long `frugaltrain coordinator --resume` waits for the machines that
     held slots before it goes on with those back, if they hold run.min_workers slots. The

@@ -10,12 +10,19 @@ It restarts only its own processes: a dead one is started again under the same s
 from a live peer at a round end (comm/ft/admission.py); the other machines restart nothing.
 Every PING_S it tells the coordinator it is alive, with the new lines of its metrics.jsonl (written
 by its lowest slot's worker; the coordinator merges the machines' logs, train/metrics_relay.py)
-and the slots that finished. It leaves once all its
-slots have finished, or the run has ended without them.
+and the slots that finished. It leaves once all its slots have finished, or the run has ended
+without them.
+
+When the coordinator is lost, the workers go on: the tunnel holds their store requests (they
+finish the round in hand and wait in their next store call) while the agent joins again, as a
+machine whose workers run, every PING_S. Back within fault_tolerance.coordinator_wait_s, the
+run goes on where it was; past it, the workers stop and the agent exits with one line naming
+its checkpoints (`join --resume` goes on from them once `coordinator --resume` runs).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -55,7 +62,17 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class CoordinatorLost(Exception):
-    """The control channel failed: the coordinator is gone, or this machine is cut off."""
+    """The coordinator stayed away past fault_tolerance.coordinator_wait_s (or the run ended
+    while it was away): this machine's workers stop."""
+
+
+class GoOnFrom(Exception):
+    """The coordinator came back and the run goes on from checkpoints (no machine kept its
+    workers): this machine's workers restart from the one named in `msg`."""
+
+    def __init__(self, msg: dict) -> None:
+        super().__init__("the run goes on from checkpoints")
+        self.msg = msg
 
 
 class Agent:
@@ -76,7 +93,6 @@ class Agent:
             self.machine, self.slots = info["machine"], info["slots"]
             self.metrics_at = info.get("relayed", 0)
         self.cfg: Config | None = None
-        self.gave_up = False  # the coordinator stayed away past coordinator_wait_s
         self.run_over = False  # the coordinator said training is over
 
     @property
@@ -84,13 +100,15 @@ class Agent:
         return f"{self.host}:{self.port}"
 
     # ---- talking to the coordinator
-    def join(self) -> dict | None:
+    def join(self, live: bool = False) -> dict | None:
         """Prove the token and ask for slots (those this machine held, if any, and the rounds
-        it has checkpoints of); wait while none is free or the others are not back. Returns the
-        coordinator's answer, or None if the run ended first."""
+        it has checkpoints of; `live`: its workers are running); wait while none is free or
+        the others are not back. Returns the coordinator's answer, or None if the run ended
+        first."""
         self.channel: Channel = connect(self.host, self.port, self.token)
         request = {"want": "join", "workers": self.workers, "machine": self.machine}
         request |= {"name": socket.gethostname(), "slots": self.slots, "rounds": self._rounds()}
+        request["live"] = live
         self.channel.send(request)
         said = False
         while True:
@@ -163,10 +181,13 @@ class Agent:
 
     # ---- running this machine's slots
     def run(self, msg: dict) -> int:
-        """Run this machine's slots until they finish; through a lost coordinator, wait for it
-        (fault_tolerance.coordinator_wait_s) and go on as it says."""
+        """Run this machine's slots until they finish. Through a lost coordinator the workers
+        go on (their store requests held by the tunnel) while the agent joins again, for at
+        most fault_tolerance.coordinator_wait_s; past it they stop, with one line."""
         resume = self._take(msg)
-        self.tunnel = StoreTunnel(self.host, self.port, self.token).start()
+        hold_s = self.cfg.fault_tolerance.coordinator_wait_s
+        say = functools.partial(print, flush=True)
+        self.tunnel = StoreTunnel(self.host, self.port, self.token, log=say, hold_s=hold_s).start()
         try:
             while True:
                 print(
@@ -178,46 +199,56 @@ class Agent:
                     with supervisor.environment(supervisor.worker_env(self.cfg)):
                         self._supervise(resume)
                     return 0
-                except CoordinatorLost as e:
+                except GoOnFrom as e:
+                    resume = self._take(e.msg)
+                except CoordinatorLost:
                     if self.run_over:  # it ended the run and left before this machine did
                         print("[agent] the run is over", flush=True)
                         return 0
-                    msg = self._wait_for_coordinator(str(e))
-                    if msg is None:
-                        return 1 if self.gave_up else 0
-                    resume = self._take(msg)
+                    self._give_up()
+                    return 1
         finally:
             self.tunnel.close()
 
-    def _wait_for_coordinator(self, why: str) -> dict | None:
-        """Join again, every PING_S, for at most coordinator_wait_s; None when it never came
-        back (one line says where this machine's checkpoints are) or the run ended."""
+    def _rejoin(self, why: str) -> dict:
+        """The coordinator is away: join again every PING_S, as a machine whose workers run,
+        for at most coordinator_wait_s; its answer, or CoordinatorLost."""
         wait_s = self.cfg.fault_tolerance.coordinator_wait_s
         print(
             f"[agent] lost the coordinator at {self.address} ({why}); this machine's workers "
-            f"stopped; waiting up to {wait_s:g} s for it to come back",
+            f"go on, their store requests held; waiting up to {wait_s:g} s for it to come back",
             flush=True,
         )
-        t0 = time.monotonic()
+        t0 = self.tunnel.away_since or time.monotonic()
         while time.monotonic() - t0 < wait_s:
             try:
-                return self.join()
-            except (ConnectionError, OSError, TimeoutError):
+                msg = self.join(live=True)
+            except (ConnectionError, OSError, TimeoutError, Refused):
                 time.sleep(PING_S)
-        self.gave_up, rounds = True, self._rounds()
+                continue
+            if msg is None:
+                self.run_over = True
+                raise CoordinatorLost("the run is over")
+            print("[agent] the coordinator is back", flush=True)
+            return msg
+        raise CoordinatorLost(f"it did not come back within {wait_s:g} s")
+
+    def _give_up(self) -> None:
+        """One line: why this machine stopped, where its checkpoints are, how to go on."""
+        wait_s = self.cfg.fault_tolerance.coordinator_wait_s
+        rounds = self._rounds()
         where = f"round {rounds[-1][0]} in {self.run_dir}" if rounds else "none yet"
         print(
             f"[agent] the coordinator did not come back within {wait_s:g} s "
-            f"(fault_tolerance.coordinator_wait_s); this machine's checkpoints: {where}; go on "
-            f"with `frugaltrain join {self.address} --token FILE --resume {self.run_dir}` once "
-            "`frugaltrain coordinator --resume` runs",
+            f"(fault_tolerance.coordinator_wait_s); this machine's workers stopped; its "
+            f"checkpoints: {where}; go on with `frugaltrain join {self.address} --token FILE "
+            f"--resume {self.run_dir}` once `frugaltrain coordinator --resume` runs",
             flush=True,
         )
-        return None
 
     def _supervise(self, resume: Path | None) -> None:
-        """This machine's processes until all have finished; CoordinatorLost (every process
-        stopped) when the control channel fails."""
+        """This machine's processes until all have finished; through a lost coordinator they
+        go on (`_away`). CoordinatorLost or GoOnFrom: every process is stopped."""
         cfg, S = self.cfg, self.cfg.run.shards
         timeout = timedelta(seconds=max(60.0, cfg.run.timeout_s))
         store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
@@ -243,13 +274,19 @@ class Agent:
                 start(rank, resume)
             while True:
                 time.sleep(PING_S)
+                if self.tunnel.away_since is not None:  # before the store, which holds us
+                    self._away("the run's store is unreachable")
                 try:
                     failed = supervisor.exited(procs, finished, ft_store, cfg, self.run_dir)
-                except RuntimeError as e:  # the store is the coordinator's: it is gone too
+                except RuntimeError as e:  # the tunnel gave up holding: it stayed away
                     raise CoordinatorLost(f"the run's store: {short(e)}") from e
                 done = [x for x in self.slots if all(x * S + s in finished for s in range(S))]
                 leaving = len(finished) == len(ranks)
-                self._ping(done, leaving)  # before any restart: not into a lost run
+                try:
+                    self._ping(done, leaving)  # before any restart: not into a lost run
+                except ConnectionError as e:
+                    self._away(short(e))
+                    continue  # look at the processes again before any restart
                 if leaving:
                     return
                 supervisor.restart_failed(failed, procs, start, restarts, cfg, self.run_dir, store)
@@ -259,8 +296,19 @@ class Agent:
                     p.kill()
                 p.join()
 
+    def _away(self, why: str) -> None:
+        """The coordinator is away: join again (`_rejoin`); on its answer the workers go on
+        (the same slots, a new session), or GoOnFrom its checkpoint."""
+        if self.run_over:  # it ended the run and left before this machine did
+            raise CoordinatorLost("the run is over")
+        msg = self._rejoin(why)
+        if msg.get("resume") is not None:
+            raise GoOnFrom(msg)
+        self.slots, self.session = list(msg["slots"]), msg["session"]
+        self._save_machine()
+
     def _ping(self, finished: list[int], leaving: bool) -> None:
-        """Alive, with the new metrics lines and the finished slots; CoordinatorLost if the
+        """Alive, with the new metrics lines and the finished slots; ConnectionError if the
         coordinator does not answer within LEASE_S (or answers with a bad MAC)."""
         lines, upto = self._new_metrics()
         msg = {"ping": True, "metrics": lines, "finished": finished}
@@ -270,7 +318,7 @@ class Agent:
             self.channel.send(msg)
             self.run_over = self.channel.recv(timeout_s=LEASE_S).get("done", False)
         except (ConnectionError, OSError, TimeoutError, Refused) as e:  # Refused: a bad MAC
-            raise CoordinatorLost(short(e)) from e
+            raise ConnectionError(f"the control channel: {short(e)}") from e
         if upto != self.metrics_at:  # acknowledged: kept for a `join --resume`
             self.metrics_at = upto
             self._save_machine()

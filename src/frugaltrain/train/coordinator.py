@@ -18,6 +18,16 @@ silent for LEASE_S loses its slots, which the next machine to join takes (its pr
 from a live peer, comm/ft/admission.py). The state file (COORDINATOR_STATE in the run
 directory) records the port and which machine holds which slot, so `--resume` comes back the
 same.
+
+A lost coordinator does not stop the training. Each machine's store tunnel holds its processes'
+store requests while it is away, and its agent keeps its workers; they finish the round in
+hand and wait in their next store call. The store journals every write (STORE_JOURNAL), so
+`--resume` reopens the same port with the store as it was, and the machines rejoin "live":
+their held requests go through and the run goes on, nothing recomputed. A machine that does not
+come back within LEASE_S loses its slots, as any silent machine. If no machine comes back live
+within LIVE_GRACE_S (the coordinator was away past fault_tolerance.coordinator_wait_s, and every
+machine stopped with its checkpoints), the store is cleared and the machines go on from the
+newest round every one of them holds a checkpoint of.
 """
 
 from __future__ import annotations
@@ -38,7 +48,12 @@ from frugaltrain.comm.store import StoreServer
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.train.metrics_relay import MetricsRelay
 from frugaltrain.train.run_dir import new_run_dir
-from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
+from frugaltrain.train.run_store import (
+    close_rendezvous,
+    forget,
+    group0_store,
+    refresh_rendezvous,
+)
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
 # dead peer within seconds (gloo errors, heartbeats). The lease only frees the slots for the next
@@ -46,7 +61,12 @@ from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
 # drop-tail queue can hold a small packet back for seconds (TCP backs off per retransmission).
 LEASE_S = 15.0
 PING_S = 1.0  # how often a machine's agent says it is alive
+# After a restart, how long machines have to come back with their workers still running
+# before the coordinator takes it that none will and goes on from checkpoints. Their agents
+# try every PING_S, so a live machine is back within a couple of seconds of the port opening.
+LIVE_GRACE_S = 5.0
 COORDINATOR_STATE = "coordinator.json"
+STORE_JOURNAL = "store.journal"  # the store's writes, which --resume brings back
 
 
 @dataclass
@@ -109,11 +129,13 @@ class Coordinator:
         saved = self._saved_owners() if resume else None
         self.slots = Slots(cfg.run.workers, saved)
         self.machines: dict[str, Machine] = {}
-        # --resume: the machines that held the slots come back and all go on from the newest
-        # round every one of them has a checkpoint of (the store, and with it the runtime's
-        # state, did not survive the coordinator). Those not back within
-        # fault_tolerance.resume_wait_s are gone on without; back later, each joins as new.
-        self.resuming = resume
+        # --resume: machines back with live workers go on from the store as it was ("live").
+        # If none is back live within LIVE_GRACE_S ("cold"), the machines that held the slots
+        # go on from the newest round every one of them has a checkpoint of; those not back
+        # within fault_tolerance.resume_wait_s are gone on without, and back later, each joins
+        # as new.
+        self.mode: str | None = None if resume else "fresh"  # then "live" or "cold"
+        self.resuming = False  # the cold resume is under way
         self.reports: dict[str, dict[int, int]] = {}  # machine -> its checkpoints' round: step
         self.resumed: set[str] = set()  # machines told where to go on from
         self.resume_from: int | None = None  # that round, once decided
@@ -128,7 +150,10 @@ class Coordinator:
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
 
     def start(self) -> Coordinator:
-        self.store = StoreServer(log=self.say).listen("127.0.0.1", 0)
+        self.store = StoreServer(log=self.say, journal=self.run_dir / STORE_JOURNAL)
+        if self.mode is None:  # nobody's keep-alive reached the store while it was away
+            refresh_rendezvous(self.store, self.cfg)
+        self.store.listen("127.0.0.1", 0)
         addr = ("127.0.0.1", self.store.port)
         self.gateway = Gateway(self.bind, self.port, self.token, addr, self.serve, self.say)
         self.gateway.start()
@@ -150,6 +175,8 @@ class Coordinator:
             channel.send({"error": f"unknown request {request.get('want')!r}"})
             return
         machine = self._machine(request, channel.peer)
+        if not self._await_mode(bool(request.get("live")), channel):
+            return
         slots = self._slots_for(machine, int(request.get("workers", 1)), channel)
         if not slots:
             return
@@ -165,6 +192,8 @@ class Coordinator:
             else:
                 self.resumed.add(machine.id)
         where = f", from round {reply['resume']}" if "resume" in reply else ""
+        if request.get("live") and "resume" not in reply:
+            where = ", its workers still running"
         self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}{where}")
         channel.send(reply)
         with self.log_lock:
@@ -174,6 +203,38 @@ class Coordinator:
         finally:
             with self.log_lock:
                 self.connected -= 1
+
+    def _await_mode(self, live: bool, channel: Channel) -> bool:
+        """After --resume: the first machine back with live workers makes the resume live;
+        with none back live within LIVE_GRACE_S it is cold (the store is cleared: the run goes
+        on from checkpoints). A machine waits until that is decided; False if it left."""
+        while True:
+            with self.resume_lock:
+                if self.mode is None and live:
+                    self._go_live()
+                elif self.mode is None and time.monotonic() - self.started >= LIVE_GRACE_S:
+                    self._go_cold()
+                if self.mode is not None:
+                    return True
+            if not self._hold(channel, "resuming: waiting for machines with live workers"):
+                return False
+
+    def _go_live(self) -> None:
+        self.mode = "live"
+        self.say("a machine is back with its workers running: the run goes on as it was")
+        threading.Thread(target=self._free_absent, daemon=True, name="lease").start()
+
+    def _go_cold(self) -> None:
+        self.mode, self.resuming = "cold", True
+        self.store.clear()
+        self.say("no machine is back with live workers: going on from checkpoints")
+
+    def _free_absent(self) -> None:
+        """A live resume: the slots of machines not back within LEASE_S are freed, as a
+        silent machine's are."""
+        time.sleep(LEASE_S)
+        for gone in sorted(self.saved - set(self.machines)):
+            self._release(gone, f"machine id {gone} not back within {LEASE_S:g} s")
 
     def _resume_round(
         self, machine: Machine, request: dict, channel: Channel
@@ -263,14 +324,8 @@ class Coordinator:
             except (ConnectionError, OSError, TimeoutError) as e:
                 if self.machines.get(machine.id) is not machine:
                     return  # it has joined again on a new channel, which holds its slots now
-                freed = self.slots.release(machine.id)
-                self._save_state()
-                if freed:
-                    why = "silent" if isinstance(e, TimeoutError) else "connection closed"
-                    self.say(f"machine {machine.name} lost ({why}): slots {freed} are free")
-                    for slot in freed:  # the survivors need not wait out its keep-alives
-                        for shard in range(self.cfg.run.shards):
-                            forget(self.store, self.cfg, slot * self.cfg.run.shards + shard)
+                why = "silent" if isinstance(e, TimeoutError) else "connection closed"
+                self._release(machine.id, f"machine {machine.name} lost ({why})")
                 return
             self.metrics.add(machine.id, msg.get("metrics", []), self.slots.holders())
             if msg.get("finished"):
@@ -279,6 +334,19 @@ class Coordinator:
             if msg.get("leaving"):
                 self.say(f"machine {machine.name} finished its slots {machine.slots}")
                 return
+
+    def _release(self, machine: str, why: str) -> None:
+        """Free `machine`'s unfinished slots, and tell the rendezvous their processes are gone
+        (the survivors need not wait out their keep-alives)."""
+        freed = self.slots.release(machine)
+        self._save_state()
+        if not freed:
+            return
+        self.say(f"{why}: slots {freed} are free")
+        S = self.cfg.run.shards
+        for slot in freed:
+            for shard in range(S):
+                forget(self.store, self.cfg, slot * S + shard)
 
     def _run_over(self) -> bool:
         """Whether training is over: the members of some worker's last epoch have all
@@ -391,7 +459,7 @@ def run_coordinator(
     if port is None:
         port = json.loads(state.read_text())["port"] if resume and state.is_file() else 29400
     coord = Coordinator(cfg, run_dir, token, bind, port, resume=bool(resume)).start()
-    again = " (resumed: the machines go on from their checkpoints)" if resume else ""
+    again = " (resumed: the machines go on as they were, or from checkpoints)" if resume else ""
     coord.say(
         f"run {cfg.run.name}: {cfg.outer.strategy}, {cfg.run.workers} slots; machines join "
         f"with `frugaltrain join HOST:{coord.port} --token FILE` (run dir {run_dir}){again}"
@@ -399,8 +467,9 @@ def run_coordinator(
     if not cfg.run.checkpoint_every:
         coord.say(
             "note: run.checkpoint_every = 0 writes a checkpoint only at the end, so a run "
-            "whose coordinator is lost cannot go on (--resume needs a checkpoint every "
-            "machine holds); run.checkpoint_every = 1 loses at most a round"
+            "whose coordinator stays away past fault_tolerance.coordinator_wait_s cannot go "
+            "on (that resume needs a checkpoint every machine holds); "
+            "run.checkpoint_every = 1 loses at most a round"
         )
     try:
         coord.wait()
