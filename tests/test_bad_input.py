@@ -379,3 +379,20 @@ def test_an_error_inside_a_worker_is_one_line_with_its_traceback_in_the_run_dir(
     logs = sorted(run_dir.glob("worker_*.log"))
     assert logs and "Traceback" in logs[0].read_text()
     assert json.loads(json.dumps(lines[0]))  # printable as it is
+
+
+def test_coordinator_resume_names_a_damaged_store_journal(config_factory, tmp_path, capsys):
+    """One line naming the journal and the way on, before the port opens; nothing written."""
+    from frugaltrain.comm.auth import new_token
+
+    cfg = config_factory(tmp_path / "out", "fault_tolerance.enabled=true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    (run_dir / "store.journal").write_bytes(b"not a journal\n")
+    new_token(tmp_path / "run.token")
+    argv = ["coordinator", "--resume", str(run_dir), "--token", str(tmp_path / "run.token")]
+    assert cli.main([*argv, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "store.journal" in err[0] and "aside" in err[0], err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml", "store.journal"]

@@ -44,7 +44,7 @@ from pathlib import Path
 from frugaltrain.comm.auth import Channel, read_token
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.gateway import Gateway
-from frugaltrain.comm.store import StoreServer
+from frugaltrain.comm.store import PrefixView, StoreServer
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 from frugaltrain.train.metrics_relay import MetricsRelay
 from frugaltrain.train.run_dir import new_run_dir
@@ -150,7 +150,14 @@ class Coordinator:
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
 
     def start(self) -> Coordinator:
-        self.store = StoreServer(log=self.say, journal=self.run_dir / STORE_JOURNAL)
+        journal = self.run_dir / STORE_JOURNAL
+        try:
+            self.store = StoreServer(log=self.say, journal=journal)
+        except ValueError as e:  # a damaged journal: the run can still go on from checkpoints
+            raise ConfigError(
+                f"{e}; move {journal} aside and --resume again: the machines then go on from "
+                "their checkpoints"
+            ) from None
         if self.mode is None:  # nobody's keep-alive reached the store while it was away
             refresh_rendezvous(self.store, self.cfg)
         self.store.listen("127.0.0.1", 0)
@@ -282,11 +289,14 @@ class Coordinator:
         self.resume_from, self.resumers = (max(common) if common else -1), back
 
     def _count_as_started(self, slots: int) -> None:
-        """The first starts meet before their first round (comm/ft/world.py): count the
-        processes of `slots` freed slots in, as each would count itself, so those back do not
-        wait for them."""
-        for _ in range(slots * self.cfg.run.shards):
-            keys.count_start(self.store, self.cfg.run.workers)
+        """The first starts of each shard group meet before their first round
+        (comm/ft/world.py): count the processes of `slots` freed slots in, as each would count
+        itself, so those back do not wait for them."""
+        S = self.cfg.run.shards
+        for shard in range(S):
+            world = PrefixView(keys.namespace(shard, S), self.store) if S > 1 else self.store
+            for _ in range(slots):
+                keys.count_start(world, self.cfg.run.workers)
 
     def _machine(self, request: dict, peer: str) -> Machine:
         mid = str(request.get("machine") or uuid.uuid4().hex[:12])

@@ -17,7 +17,7 @@ Keys that name a worker take its fixed rank (with shards: its replica).
 from __future__ import annotations
 
 # ---- the run's store
-STARTED = "ft/started"  # first starts counted in, then ALL_STARTED lets them on
+STARTED = "ft/started"  # a world's first starts counted in, then ALL_STARTED lets them on
 ALL_STARTED = "ft/all_started"
 
 

@@ -96,12 +96,13 @@ class World:
         self.heartbeat = heartbeat.Heartbeat(me.host, me.port, me.rank, me.namespace)
 
     def start(self) -> None:
-        """A first start meets the other first starts before the rendezvous, so that its first
-        round has all of them; a restarted worker joins later (admission.py)."""
+        """A first start meets the other first starts of its world (its shard group's, with
+        shards: each has its own rendezvous) before the rendezvous, so that its first round has
+        all of them; a restarted worker joins later (admission.py)."""
         if self.incarnation != 1:
             return
-        keys.count_start(self.root, self.world_size)
-        self.root.wait([keys.ALL_STARTED])
+        keys.count_start(self.store, self.world_size)
+        self.store.wait([keys.ALL_STARTED])
         self.rendezvous("start")
 
     # ---- the epoch's state in the store
