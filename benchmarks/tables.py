@@ -1058,6 +1058,106 @@ def fgd_corpora_merged(files: list[dict]) -> str:
     return fgd_corpora([merged])
 
 
+def _corpora_runs(files: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """(method, corpus, seed) -> run, base model, over fgd_corpora result files; a run found in
+    two files must be the same to the bit (a baseline rerun), or this raises."""
+    out: dict = {}
+    for f in files:
+        for r in f["runs"]:
+            if r["model"] != "base":
+                continue
+            key = (r["method"], r["corpus"], r["seed"])
+            same = ("loss_val", "loss_val_avg_model")
+            if key in out and any(out[key][k] != r[k] for k in same):
+                raise ValueError(f"{key}: two different runs")
+            out[key] = r
+    return out
+
+
+OUTER_STEP = ("outer.lr", "outer.momentum")  # the overrides that make a method's outer step
+
+
+def fgd_outer_choice(
+    corpus: str, groups: tuple[tuple[str, ...], ...]
+) -> Callable[[list[dict]], str]:
+    """Each method's final validation loss (each worker's own model) on `corpus`, by seed and its
+    mean, group by group (one method's outer steps); the lowest mean of each group in bold: the
+    pick. Its outer step is the run's outer.lr and outer.momentum overrides, else as shipped."""
+
+    def render(files: list[dict]) -> str:
+        runs = _corpora_runs(files)
+        sets = {m: s for f in files for m, s in f["variants"].items()}
+        seeds = sorted({s for _, c, s in runs if c == corpus})
+        lines = [
+            "| method | outer step | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+            "|---" * (len(seeds) + 3) + "|",
+        ]
+        for group in groups:
+            means = {}
+            for m in group:
+                xs = [runs[(m, corpus, s)]["loss_val"] for s in seeds]
+                means[m] = (statistics.mean(xs), xs)
+            best = min(means, key=lambda m: means[m][0])
+            for m, (mean, xs) in means.items():
+                step = [s.removeprefix("outer.") for s in sets[m] if s.split("=")[0] in OUTER_STEP]
+                cells = [f"{x:.4f}" for x in xs] + [f"{mean:.4f}"]
+                if m == best:
+                    cells = [f"**{c}**" for c in cells]
+                lines.append(_row([m, ", ".join(step) or "as shipped", *cells]))
+        return "\n".join(lines)
+
+    return render
+
+
+def fgd_pair_ratios(pairs: tuple[tuple[str, str], ...]) -> Callable[[list[dict]], str]:
+    """Per (method, reference) pair and corpus: method's final validation loss over the
+    reference's of the same seed, each seed, the mean and the worst, on each worker's own model
+    and on the averaged one."""
+
+    def render(files: list[dict]) -> str:
+        runs = _corpora_runs(files)
+        corpora = sorted({c for _, c, _ in runs})
+        seeds = sorted({s for _, _, s in runs})
+        parts = []
+        for key, what in (
+            ("loss_val", "each worker's own model"),
+            ("loss_val_avg_model", "averaged model"),
+        ):
+            head = " | ".join(f"seed {s}" for s in seeds)
+            lines = [
+                f"{what}, base model (simulated):\n",
+                f"| method / reference | corpus | {head} | mean | worst |",
+                "|---" * (len(seeds) + 4) + "|",
+            ]
+            for method, ref in pairs:
+                for c in corpora:
+                    got = [(method, c, s) in runs and (ref, c, s) in runs for s in seeds]
+                    if not any(got):
+                        continue
+                    xs = [
+                        runs[(method, c, s)][key] / runs[(ref, c, s)][key] if ok else None
+                        for s, ok in zip(seeds, got, strict=True)
+                    ]
+                    have = [x for x in xs if x is not None]
+                    cells = [f"{x:.4f}" if x is not None else "-" for x in xs]
+                    cells += [f"{statistics.mean(have):.4f}", f"{max(have):.4f}"]
+                    tuned = " (tuned)" if c == files[0]["tuned_on"] else ""
+                    lines.append(_row([f"{method} / {ref}", c + tuned, *cells]))
+            parts.append("\n".join(lines) + "\n")
+        return "\n".join(parts).rstrip()
+
+    return render
+
+
+RETUNE_GRID = (  # each method's outer steps on stdlib: as shipped, then momentum 0
+    ("diloco", "diloco-m0-lr1.0", "diloco-m0-lr1.26", "diloco-m0-lr1.6"),
+    ("GlobalM1LocalM2-int8", "int8-m0-lr1.0", "int8-m0-lr1.26", "int8-m0-lr1.6"),
+)
+RETUNE_PAIRS = (  # the flagship over DiLoCo, both retuned, then both as shipped
+    ("int8-m0-lr1.26", "diloco-m0-lr1.26"),
+    ("GlobalM1LocalM2-int8", "diloco"),
+)
+
 TABLES = {
     "time-to-loss-links": Table(
         "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: links_table(f[0])
@@ -1182,6 +1282,21 @@ TABLES = {
     ),
     "fgd-prose-reset": Table(
         "docs/results/fgd.md", ("fgd_prose_probe_reset.json",), fgd_corpora_merged
+    ),
+    "fgd-retune-choice": Table(
+        "docs/results/fgd.md",
+        ("fgd_corpora_base.json", "fgd_retune_grid.json"),
+        fgd_outer_choice("stdlib", RETUNE_GRID),
+    ),
+    "fgd-retune": Table(
+        "docs/results/fgd.md",
+        ("fgd_retune_grid.json", "fgd_retune_report.json"),
+        fgd_corpora_merged,
+    ),
+    "fgd-retune-pairs": Table(
+        "docs/results/fgd.md",
+        ("fgd_corpora_base.json", "fgd_retune_grid.json", "fgd_retune_report.json"),
+        fgd_pair_ratios(RETUNE_PAIRS),
     ),
     "flow-profile-check": Table(
         "docs/flow.md",
