@@ -67,11 +67,13 @@ class CoordinatorLost(Exception):
 
 
 class GoOnFrom(Exception):
-    """The coordinator came back and the run goes on from checkpoints (no machine kept its
-    workers): this machine's workers restart from the one named in `msg`."""
+    """Back in touch with the coordinator, this machine's workers must start again: from the
+    checkpoint named in `msg` (the run goes on from checkpoints: no machine kept its workers),
+    or, without one, as restarts that rejoin from a live peer (the others went on without this
+    machine while it was cut off, and its slots were freed)."""
 
     def __init__(self, msg: dict) -> None:
-        super().__init__("the run goes on from checkpoints")
+        super().__init__("this machine's workers start again")
         self.msg = msg
 
 
@@ -298,11 +300,13 @@ class Agent:
 
     def _away(self, why: str) -> None:
         """The coordinator is away: join again (`_rejoin`); on its answer the workers go on
-        (the same slots, a new session), or GoOnFrom its checkpoint."""
+        (the same slots, a new session), or start again (GoOnFrom): from its checkpoint, or
+        at once if the others went on without them (a cut-off machine's workers would find
+        that out only when their stalled connections retransmit)."""
         if self.run_over:  # it ended the run and left before this machine did
             raise CoordinatorLost("the run is over")
         msg = self._rejoin(why)
-        if msg.get("resume") is not None:
+        if msg.get("resume") is not None or msg.get("fresh"):
             raise GoOnFrom(msg)
         self.slots, self.session = list(msg["slots"]), msg["session"]
         self._save_machine()

@@ -184,12 +184,15 @@ class Coordinator:
         machine = self._machine(request, channel.peer)
         if not self._await_mode(bool(request.get("live")), channel):
             return
+        held = machine.id in self.slots.holders()  # False: its slots were freed meanwhile
         slots = self._slots_for(machine, int(request.get("workers", 1)), channel)
         if not slots:
             return
         machine.slots = slots
         self._save_state()
         reply = {"config": to_toml(self.cfg), "slots": slots, "session": self.session}
+        if request.get("live") and not held:  # the others went on without its workers
+            reply["fresh"] = True
         if self.resuming and machine.id not in self.resumed:
             ok, reply["resume"] = self._resume_round(machine, request, channel)
             if not ok:
@@ -200,7 +203,7 @@ class Coordinator:
                 self.resumed.add(machine.id)
         where = f", from round {reply['resume']}" if "resume" in reply else ""
         if request.get("live") and "resume" not in reply:
-            where = ", its workers still running"
+            where = ", its workers " + ("to start again" if not held else "still running")
         self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}{where}")
         channel.send(reply)
         with self.log_lock:
