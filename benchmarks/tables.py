@@ -1157,6 +1157,14 @@ RETUNE_PAIRS = (  # the flagship over DiLoCo, both retuned, then both as shipped
     ("int8-m0-lr1.26", "diloco-m0-lr1.26"),
     ("GlobalM1LocalM2-int8", "diloco"),
 )
+RETUNE_GRID_H10 = (  # the same at H = 10; lr 1.6 dropped for the flagship (worst at H = 50)
+    ("diloco", "diloco-m0-lr1.0", "diloco-m0-lr1.26", "diloco-m0-lr1.6"),
+    ("GlobalM1LocalM2-int8", "int8-m0-lr1.0", "int8-m0-lr1.26"),
+)
+RETUNE_PAIRS_H10 = (  # the picks at H = 10, then both as shipped
+    ("int8-m0-lr1.0", "diloco-m0-lr1.0"),
+    ("GlobalM1LocalM2-int8", "diloco"),
+)
 
 TABLES = {
     "time-to-loss-links": Table(
@@ -1297,6 +1305,16 @@ TABLES = {
         "docs/results/fgd.md",
         ("fgd_corpora_base.json", "fgd_retune_grid.json", "fgd_retune_report.json"),
         fgd_pair_ratios(RETUNE_PAIRS),
+    ),
+    "fgd-retune-h10-choice": Table(
+        "docs/results/fgd.md",
+        ("fgd_retune_grid_h10.json",),
+        fgd_outer_choice("stdlib", RETUNE_GRID_H10),
+    ),
+    "fgd-retune-h10-pairs": Table(
+        "docs/results/fgd.md",
+        ("fgd_retune_grid_h10.json", "fgd_retune_report_h10.json"),
+        fgd_pair_ratios(RETUNE_PAIRS_H10),
     ),
     "flow-profile-check": Table(
         "docs/flow.md",
