@@ -284,10 +284,8 @@ class Coordinator:
             if not waited or held < self.cfg.run.min_workers:
                 return
             for gone in sorted(owners - back):
-                slots = self.slots.release(gone)
-                self.say(f"resuming without machine id {gone}: not back, slots {slots} are free")
-                self._count_as_started(len(slots))
-            self._save_state()
+                freed = self._release(gone, f"resuming without machine id {gone}: not back")
+                self._count_as_started(len(freed))
         common = set.intersection(*(set(self.reports[o]) for o in back)) if back else set()
         self.resume_from, self.resumers = (max(common) if common else -1), back
 
@@ -348,18 +346,18 @@ class Coordinator:
                 self.say(f"machine {machine.name} finished its slots {machine.slots}")
                 return
 
-    def _release(self, machine: str, why: str) -> None:
+    def _release(self, machine: str, why: str) -> list[int]:
         """Free `machine`'s unfinished slots, and tell the rendezvous their processes are gone
-        (the survivors need not wait out their keep-alives)."""
+        (the survivors need not wait out their keep-alives). Returns the slots freed."""
         freed = self.slots.release(machine)
         self._save_state()
-        if not freed:
-            return
-        self.say(f"{why}: slots {freed} are free")
+        if freed:
+            self.say(f"{why}: slots {freed} are free")
         S = self.cfg.run.shards
         for slot in freed:
             for shard in range(S):
                 forget(self.store, self.cfg, slot * S + shard)
+        return freed
 
     def _run_over(self) -> bool:
         """Whether training is over: the members of some worker's last epoch have all

@@ -2,12 +2,12 @@
 
 Three stores hold them:
 
-    the run's store     the TCPStore the launcher hosts: what every shard group shares (the
-                        first-start barrier, admissions decided for whole replicas).
+    the run's store     the TCPStore the launcher hosts: what every shard group shares
+                        (admissions decided for whole replicas).
     a world's store     the run's store under the world's `namespace` ("" without shards,
-                        "shard{s}" for shard group s): heartbeats, epochs, operations, metrics,
-                        admission and the end of the run. The rendezvous keeps its state under
-                        RENDEZVOUS there.
+                        "shard{s}" for shard group s): the first-start barrier, heartbeats,
+                        epochs, operations, metrics, admission and the end of the run. The
+                        rendezvous keeps its state under RENDEZVOUS there.
     a round's store     the store a rendezvous round hands its participants: who took part, the
                         epoch it forms, and the gloo group built over it.
 
@@ -16,8 +16,8 @@ Keys that name a worker take its fixed rank (with shards: its replica).
 
 from __future__ import annotations
 
-# ---- the run's store
-STARTED = "ft/started"  # a world's first starts counted in, then ALL_STARTED lets them on
+# ---- a world's store: the first-start barrier (each shard group has its own rendezvous)
+STARTED = "ft/started"  # the world's first starts counted in, then ALL_STARTED lets them on
 ALL_STARTED = "ft/all_started"
 
 
@@ -28,6 +28,7 @@ def count_start(store, world_size: int) -> None:
         store.set(ALL_STARTED, "1")
 
 
+# ---- the run's store
 def namespace(shard: int, shards: int) -> str:
     """Store prefix of shard group `shard`'s fault-tolerant world ("" without shards)."""
     return f"shard{shard}" if shards > 1 else ""
