@@ -62,6 +62,7 @@ METHODS = {  # name -> (example config, extra overrides)
     ),
     "subset": ("fgd_subset", []),
     "subset-late": ("fgd_subset", ["outer.fgd.mix2_overlap=true"]),
+    "gossip": ("fgd_gossip", []),  # Mix1 on the exponential graph, Mix2 on pairs: no collective
 }
 MODELS = {"base": [], "4x": ["model.n_embd=256"]}  # 0.48M and 1.8M parameters
 
@@ -214,6 +215,10 @@ def main() -> int:
             "figures": "final validation loss (the simulator trains the real model; no clock)",
             "methods": args.methods.split(","),
             "examples": {m: f"examples/{METHODS[m][0]}.toml" for m in args.methods.split(",")},
+            "outer_tables": {
+                m: provenance.outer_table(ROOT / f"examples/{METHODS[m][0]}.toml", METHODS[m][1])
+                for m in args.methods.split(",")
+            },
             "models": {m: MODELS[m] for m in args.models.split(",")},
             "corpora": {c: str(SOURCES[c][0] or "python stdlib") for c in args.names.split(",")},
             "tuned_on": TUNED_ON,

@@ -194,7 +194,8 @@ def main() -> int:
     record |= {"methods": methods, "seeds": seeds, "steps": args.steps, "H": args.H,
                "data": args.data or "stdlib bytes", "cpu_share": args.cpu_share,
                "budget_x_diloco": args.budget, "shared": common_overrides(args, 0, "RUNS"),
-               "tuned_on": "stdlib (the examples' outer steps)", "cases": {}}  # fmt: skip
+               "tuned_on": "stdlib (the examples' outer steps)", "cases": {},
+               "outer_tables": {m: outer_table(m, args.set) for m in methods}}  # fmt: skip
     with tempfile.TemporaryDirectory() as runs:
         base = overrides(BASELINE, common_overrides(args, 0, runs))
         M, S = load_config(*base).run.workers, _param_bytes(base)
@@ -365,24 +366,10 @@ def _steps_to(record: dict, method: str) -> dict[int, list]:
     return got
 
 
-def outer_table(method: str) -> dict:
-    """The method's [outer] table as its example sets it, with the variant's overrides and
-    without H (a run keeps its own)."""
-    import tomllib
-
-    from frugaltrain.config import read_toml
-
-    path, extra = overrides(method, [])
-    table = read_toml(path)["outer"]
-    for item in extra:  # e.g. outer.codec='int8'
-        key, _, value = item.partition("=")
-        *parents, last = key.split(".")[1:]
-        node = table
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = tomllib.loads(f"v = {value}")["v"]
-    table.pop("H", None)
-    return table
+def outer_table(method: str, sets: list[str] = ()) -> dict:
+    """The method's [outer] table as its example sets it, with `sets` (every run's --set) and
+    the variant's overrides, and without H (a run keeps its own)."""
+    return provenance.outer_table(*overrides(method, list(sets)))
 
 
 PENALTY_FILES = ("time_to_loss.json", "time_to_loss_flagship.json")
@@ -393,12 +380,13 @@ SAME_SETUP = ("data", "tuned_on", "steps", "H", "seeds")
 
 def penalties(files: list[tuple[str, dict]]) -> dict:
     """The planner's table (src/frugaltrain/sim/penalties.json) from results files, (path,
-    record) each, all of one setup: per method, its [outer] table as its example ships it (with
-    the variant's overrides; H is the run's own), the file it was measured in and the fraction
-    of DiLoCo's steps it needs to reach DiLoCo's final loss: the mean over seeds. A seed's curve
-    is the same in every case (its losses do not depend on the links), so each seed counts once:
-    reached if any case's run reached it, else "not reached", or "stopped" (at the budget,
-    before all its steps) with the fraction it had run."""
+    record) each, all of one setup: per method, the [outer] table it was measured with (the
+    file's `outer_tables`: its example's at the time, with the variant's overrides; H is the
+    run's own), the file it was measured in and the fraction of DiLoCo's steps it needs to
+    reach DiLoCo's final loss: the mean over seeds. A seed's curve is the same in every case
+    (its losses do not depend on the links), so each seed counts once: reached if any case's
+    run reached it, else "not reached", or "stopped" (at the budget, before all its steps) with
+    the fraction it had run."""
     first = files[0][1]
     for path, record in files[1:]:
         for key in SAME_SETUP:
@@ -445,7 +433,7 @@ def _penalty(record: dict, m: str) -> dict:
     return {
         "example": f"examples/{example}.toml",
         "overrides": extra,
-        "outer": outer_table(m),
+        "outer": record["outer_tables"][m],
         "steps_fraction": statistics.mean(fractions) if fractions else None,
         "reached": f"{len(fractions)}/{len(seeds)}",
         "seeds": seeds,

@@ -5,6 +5,7 @@ resumed run keeps it, and its packaged penalties are what the benchmark's result
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import sys
@@ -350,6 +351,17 @@ def test_penalties_refuse_results_of_another_setup():
     path, other = files[1]
     with pytest.raises(ValueError, match="steps = 100"):
         bench.penalties([files[0], (path, {**other, "steps": 100})])
+
+
+def test_penalties_keep_the_outer_table_each_method_was_measured_with():
+    # The examples' outer steps may change after a measurement; the planner must run a method
+    # with the step its penalty was measured at, which only the results file knows.
+    bench = _benchmark()
+    (path, first), *rest = bench.penalty_files()
+    measured = copy.deepcopy(first["outer_tables"])
+    measured["diloco"] = {**measured["diloco"], "lr": 0.123}
+    pen = bench.penalties([(path, {**first, "outer_tables": measured}), *rest])
+    assert pen["methods"]["diloco"]["outer"]["lr"] == 0.123
 
 
 def test_check_against_the_measurements_prints_every_case():

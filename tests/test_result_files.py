@@ -143,6 +143,19 @@ def test_result_file_holds_no_machine_path(path: Path):
     assert machine_paths(_load(path)) == []
 
 
+# Scripts whose methods are example configs: an example's outer step can be chosen again later,
+# so each file keeps the [outer] table every method ran with.
+OUTER_TABLE_SCRIPTS = ("python benchmarks/fgd_corpora.py", "python benchmarks/time_to_loss.py")
+
+
+@pytest.mark.parametrize("path", _result_files(), ids=lambda p: p.name)
+def test_a_file_of_example_methods_keeps_each_ones_outer_table(path: Path):
+    record = _load(path)
+    if not str(record.get("command", "")).startswith(OUTER_TABLE_SCRIPTS):
+        pytest.skip("its methods are not example configs")
+    assert set(record.get("outer_tables", {})) == set(record["methods"])
+
+
 def test_allow_list_names_files_that_still_need_it():
     for name in sorted(MACHINE_PATHS_ALLOWED):
         path = RESULTS / name

@@ -49,8 +49,8 @@ AUTO_METHODS = (
     "ddp",
 )
 """The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: each an example
-config's [outer] as shipped (examples/), measured side by side by benchmarks/time_to_loss.py;
-sim/penalties.json holds each one's [outer] table and its measured step penalty."""
+config's [outer] (examples/) as benchmarks/time_to_loss.py measured it side by side;
+sim/penalties.json holds each one's [outer] table as measured and its measured step penalty."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
