@@ -1082,11 +1082,13 @@ def fgd_outer_choice(
 ) -> Callable[[list[dict]], str]:
     """Each method's final validation loss (each worker's own model) on `corpus`, by seed and its
     mean, group by group (one method's outer steps); the lowest mean of each group in bold: the
-    pick. Its outer step is the run's outer.lr and outer.momentum overrides, else as shipped."""
+    pick. Its outer step is the run's outer.lr and outer.momentum overrides, else its example's
+    as the file recorded it ("shipped then": examples are retuned)."""
 
     def render(files: list[dict]) -> str:
         runs = _corpora_runs(files)
         sets = {m: s for f in files for m, s in f["variants"].items()}
+        outer = {m: t for f in files for m, t in f["outer_tables"].items()}
         seeds = sorted({s for _, c, s in runs if c == corpus})
         lines = [
             "| method | outer step | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
@@ -1100,10 +1102,11 @@ def fgd_outer_choice(
             best = min(means, key=lambda m: means[m][0])
             for m, (mean, xs) in means.items():
                 step = [s.removeprefix("outer.") for s in sets[m] if s.split("=")[0] in OUTER_STEP]
+                shipped = f"lr={outer[m]['lr']}, momentum={outer[m]['momentum']} (shipped then)"
                 cells = [f"{x:.4f}" for x in xs] + [f"{mean:.4f}"]
                 if m == best:
                     cells = [f"**{c}**" for c in cells]
-                lines.append(_row([m, ", ".join(step) or "as shipped", *cells]))
+                lines.append(_row([m, ", ".join(step) or shipped, *cells]))
         return "\n".join(lines)
 
     return render
@@ -1165,17 +1168,32 @@ RETUNE_PAIRS_H10 = (  # the picks at H = 10, then both as shipped
     ("int8-m0-lr1.0", "diloco-m0-lr1.0"),
     ("GlobalM1LocalM2-int8", "diloco"),
 )
+RETUNE_ALL_GRID = tuple(  # every other example's outer step on stdlib, the same rule
+    (m, *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
+    for m in ("streaming", "noloco", "GlobalM1", "GlobalM1LocalM2", "subset", "gossip")
+)
+RETUNE_ALL_PICKS = (  # what the rule chose for each (as shipped: GlobalM1)
+    ("streaming-m0-lr1.26", "streaming"),
+    ("noloco-m0-lr1.26", "noloco"),
+    ("GlobalM1", "GlobalM1"),
+    ("GlobalM1LocalM2-m0-lr1.26", "GlobalM1LocalM2"),
+    ("subset-m0-lr1.0", "subset"),
+    ("gossip-m0-lr1.0", "gossip"),
+)
+RETUNE_ALL_PAIRS = tuple((pick, "diloco-m0-lr1.26") for pick, _ in RETUNE_ALL_PICKS) + tuple(
+    (pick, shipped) for pick, shipped in RETUNE_ALL_PICKS if pick != shipped
+)  # each pick over retuned DiLoCo, then over its own shipped step
+
+
+def _time_to_loss(file: str, render: Callable[[dict], str]) -> Table:
+    """A table of docs/results/time_to_loss.md drawn from one time_to_loss.py results file."""
+    return Table("docs/results/time_to_loss.md", (file,), lambda f: render(f[0]))
+
 
 TABLES = {
-    "time-to-loss-links": Table(
-        "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: links_table(f[0])
-    ),
-    "time-to-loss": Table(
-        "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_table(f[0])
-    ),
-    "time-to-loss-plan": Table(
-        "docs/results/time_to_loss.md", ("time_to_loss.json",), lambda f: time_to_loss_plan(f[0])
-    ),
+    "time-to-loss-links": _time_to_loss("time_to_loss.json", links_table),
+    "time-to-loss": _time_to_loss("time_to_loss.json", time_to_loss_table),
+    "time-to-loss-plan": _time_to_loss("time_to_loss.json", time_to_loss_plan),
     "machines": Table("docs/multihost.md", ("machines.json",), lambda f: machines_table(f[0])),
     "faults-matrix": Table("docs/reliability.md", ("faults.json",), lambda f: faults_table(f[0])),
     "link-probe": Table(
@@ -1246,26 +1264,12 @@ TABLES = {
         + ("compression_sparse_lr_h10.json", "fgd_momentum_h10.json", "fgd_momentum_h50_h100.json"),
         compression_outer_pilot,
     ),
-    "time-to-loss-flagship-links": Table(
-        "docs/results/time_to_loss.md",
-        ("time_to_loss_flagship.json",),
-        lambda f: links_table(f[0]),
-    ),
-    "time-to-loss-flagship": Table(
-        "docs/results/time_to_loss.md",
-        ("time_to_loss_flagship.json",),
-        lambda f: time_to_loss_table(f[0]),
-    ),
-    "time-to-loss-flagship-plan": Table(
-        "docs/results/time_to_loss.md",
-        ("time_to_loss_flagship.json",),
-        lambda f: time_to_loss_plan(f[0]),
-    ),
-    "time-to-loss-mix1-bf16": Table(
-        "docs/results/time_to_loss.md",
-        ("time_to_loss_mix1bf16.json",),
-        lambda f: time_to_loss_table(f[0]),
-    ),
+    "time-to-loss-flagship-links": _time_to_loss("time_to_loss_flagship.json", links_table),
+    "time-to-loss-flagship": _time_to_loss("time_to_loss_flagship.json", time_to_loss_table),
+    "time-to-loss-flagship-plan": _time_to_loss("time_to_loss_flagship.json", time_to_loss_plan),
+    "time-to-loss-retuned-links": _time_to_loss("time_to_loss_retuned_h10.json", links_table),
+    "time-to-loss-retuned": _time_to_loss("time_to_loss_retuned_h10.json", time_to_loss_table),
+    "time-to-loss-mix1-bf16": _time_to_loss("time_to_loss_mix1bf16.json", time_to_loss_table),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
     ),
@@ -1315,6 +1319,20 @@ TABLES = {
         "docs/results/fgd.md",
         ("fgd_retune_grid_h10.json", "fgd_retune_report_h10.json"),
         fgd_pair_ratios(RETUNE_PAIRS_H10),
+    ),
+    "fgd-retune-all-choice": Table(
+        "docs/results/fgd.md",
+        ("fgd_retune_all_grid.json", "fgd_retune_all_shipped.json"),
+        fgd_outer_choice("stdlib", RETUNE_ALL_GRID),
+    ),
+    "fgd-retune-all-pairs": Table(
+        "docs/results/fgd.md",
+        (
+            "fgd_retune_all_grid.json",
+            "fgd_retune_all_shipped.json",
+            "fgd_retune_all_report.json",
+        ),
+        fgd_pair_ratios(RETUNE_ALL_PAIRS),
     ),
     "flow-profile-check": Table(
         "docs/flow.md",
