@@ -1269,6 +1269,9 @@ TABLES = {
     "time-to-loss-flagship-plan": _time_to_loss("time_to_loss_flagship.json", time_to_loss_plan),
     "time-to-loss-retuned-links": _time_to_loss("time_to_loss_retuned_h10.json", links_table),
     "time-to-loss-retuned": _time_to_loss("time_to_loss_retuned_h10.json", time_to_loss_table),
+    "time-to-loss-retuned-streaming": _time_to_loss(
+        "time_to_loss_retuned_h10_streaming.json", time_to_loss_table
+    ),
     "time-to-loss-mix1-bf16": _time_to_loss("time_to_loss_mix1bf16.json", time_to_loss_table),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora

@@ -17,7 +17,8 @@ the standard-library corpus with the same grid as every method) with the shared 
 (steps, H, data, seed, an evaluation every --eval-rounds rounds). Runs are interleaved (for each
 case and seed, every method), DiLoCo first: the target of a case and seed is DiLoCo's final
 validation loss (mean over workers), and a method's time to it is read off its own curve (wall
-clock since the workers started training, linear between evaluations). An evaluation is each
+clock since the workers started training, linear between evaluations); beside it, its loss over
+DiLoCo's at equal wall clock (where the sooner of the two ended). An evaluation is each
 worker's own model on the same validation batches with no communication (run.eval_diagnostics =
 false): it costs every method the same compute and nothing waits on a transfer for it; the loss
 is the workers' mean. A method still above the target when its wall clock passes --budget x
@@ -117,6 +118,24 @@ def time_to(target: float, t: list[float], loss: list[float]) -> float | None:
             t0, l0 = t[k - 1], loss[k - 1]
             return t0 + (tk - t0) * (l0 - target) / (l0 - lk)
     return None
+
+
+def loss_at(t_s: float, t: list[float], loss: list[float]) -> float | None:
+    """The curve's loss at wall clock `t_s` (linear between evaluations); None before its first
+    evaluation or after its last."""
+    for k in range(1, len(t)):
+        if t[k - 1] <= t_s <= t[k]:
+            return loss[k - 1] + (loss[k] - loss[k - 1]) * (t_s - t[k - 1]) / (t[k] - t[k - 1])
+    return loss[0] if t and t_s == t[0] else None
+
+
+def equal_wall_x(run: dict, diloco: dict) -> float | None:
+    """The run's loss over DiLoCo's at the wall clock where the sooner of the two ended: a
+    ranking of near ties that time to DiLoCo's final loss cannot give."""
+    t_s = min(run["wall_s_measured"][-1], diloco["wall_s_measured"][-1])
+    mine = loss_at(t_s, run["wall_s_measured"], run["val_loss"])
+    theirs = loss_at(t_s, diloco["wall_s_measured"], diloco["val_loss"])
+    return mine / theirs if mine is not None and theirs else None
 
 
 def run_one(cfg_path: str, sets: list[str], lab_args: dict, timeout_s: float) -> Path:
@@ -248,10 +267,11 @@ def analyze(record: dict) -> list[dict]:
     for name, case in record["cases"].items():
         base = {r["seed"]: r for r in case["runs"] if r["method"] == BASELINE}
         for m in record["methods"]:
-            ratios, final, sim_ratio, U = [], [], [], []
+            ratios, final, sim_ratio, U, wall_x = [], [], [], [], []
             for r in (r for r in case["runs"] if r["method"] == m):
                 d = base[r["seed"]]
                 target = d["val_loss"][-1]
+                wall_x.append(equal_wall_x(r, d) if r["wall_s_measured"] else None)
                 t_d = time_to(target, d["wall_s_measured"], d["val_loss"])
                 t_m = time_to(target, r["wall_s_measured"], r["val_loss"])
                 ratios.append(t_m / t_d if t_m is not None else None)
@@ -267,7 +287,7 @@ def analyze(record: dict) -> list[dict]:
             if not ratios:  # not run (yet)
                 continue
             out.append({"case": name, "method": m, "ratios": ratios, "final_x": final,
-                        "U": U, "sim_ratio": sim_ratio})  # fmt: skip
+                        "U": U, "sim_ratio": sim_ratio, "wall_x": wall_x})  # fmt: skip
     return out
 
 
@@ -283,17 +303,19 @@ def table(record: dict) -> str:
     lines = [
         "| case | method | time to DiLoCo's loss, x DiLoCo (mean, min-max over seeds) "
         "| simulator's prediction (seed 0) | final loss x DiLoCo, equal steps (mean, worst) "
-        "| U measured |",
-        "|---|---|---|---|---|---|",
+        "| loss x DiLoCo, equal wall clock (mean, worst) | U measured |",
+        "|---|---|---|---|---|---|---|",
     ]
     for a in analyze(record):
         sim = ", ".join("-" if s is None else f"{s:.2f}" for s in a["sim_ratio"]) or "-"
         fin = (f"{statistics.mean(a['final_x']):.4f}, {max(a['final_x']):.4f}"
                if a["final_x"] else "stopped early")  # fmt: skip
+        W = [w for w in a["wall_x"] if w is not None]
+        wall = f"{statistics.mean(W):.4f}, {max(W):.4f}" if W else "-"
         U = [u for u in a["U"] if u is not None]
         u = f"{statistics.mean(U):.2f}" if U else "-"
         lines.append(f"| {a['case']} | {a['method']} | {_fmt_ratios(a['ratios'])} | {sim} "
-                     f"| {fin} | {u} |")  # fmt: skip
+                     f"| {fin} | {wall} | {u} |")  # fmt: skip
     return "\n".join(lines)
 
 

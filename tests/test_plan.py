@@ -364,6 +364,17 @@ def test_penalties_keep_the_outer_table_each_method_was_measured_with():
     assert pen["methods"]["diloco"]["outer"]["lr"] == 0.123
 
 
+def test_equal_wall_clock_ratio_reads_both_curves_where_the_sooner_ended():
+    bench = _benchmark()
+    diloco = {"wall_s_measured": [10.0, 20.0, 30.0], "val_loss": [3.0, 2.8, 2.6]}
+    fast = {"wall_s_measured": [5.0, 10.0, 15.0], "val_loss": [3.1, 2.9, 2.7]}
+    assert bench.equal_wall_x(fast, diloco) == pytest.approx(2.7 / 2.9)  # DiLoCo at 15 s: 2.9
+    assert bench.equal_wall_x(diloco, fast) == pytest.approx(2.9 / 2.7)
+    assert bench.equal_wall_x(diloco, diloco) == 1.0
+    early = {"wall_s_measured": [1.0, 2.0], "val_loss": [3.0, 2.9]}  # before DiLoCo's first
+    assert bench.equal_wall_x(early, diloco) is None
+
+
 def test_check_against_the_measurements_prints_every_case():
     bench = _benchmark()
     record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
