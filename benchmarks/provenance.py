@@ -88,21 +88,9 @@ def save(record: dict, out: str | Path) -> None:
 def outer_table(config: str | Path, sets: list[str]) -> dict:
     """The [outer] table a run of `config` with overrides `sets` gets, without H (each file
     records its runs' H): what a variant's outer step was, even after its example changes."""
-    import tomllib
+    from frugaltrain.config.base import read_toml, with_overrides
 
-    from frugaltrain.config import read_toml
-
-    table = read_toml(config)["outer"]
-    for item in (x for x in sets if x.startswith("outer.")):  # e.g. outer.codec='int8'
-        key, _, value = item.partition("=")
-        *parents, last = key.split(".")[1:]
-        node = table
-        for p in parents:
-            node = node.setdefault(p, {})
-        try:
-            node[last] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            node[last] = value  # a bare word, as --set takes it (momentum_policy=reset)
+    table = with_overrides(read_toml(config), sets)["outer"]
     table.pop("H", None)
     return table
 

@@ -173,13 +173,18 @@ def _moved_to(hints: dict, key: str) -> str | None:
     return None
 
 
-def build_config(cls: type, raw: dict | None = None, overrides: list[str] | None = None) -> Any:
-    """Build dataclass `cls` from a nested dict plus `key=value` overrides; validate all."""
+def with_overrides(raw: dict | None, overrides: list[str] | None) -> dict:
+    """A nested dict (a TOML file's tables) with `key=value` overrides applied, unvalidated."""
     tree: dict = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (raw or {}).items()}
     for item in overrides or []:
         path, value = _parse_override(item)
         _merge(tree, path, value)
-    return _build(cls, tree, "")
+    return tree
+
+
+def build_config(cls: type, raw: dict | None = None, overrides: list[str] | None = None) -> Any:
+    """Build dataclass `cls` from a nested dict plus `key=value` overrides; validate all."""
+    return _build(cls, with_overrides(raw, overrides), "")
 
 
 def read_toml(path: str | Path) -> dict:
