@@ -80,6 +80,7 @@ def test_key_set_is_pinned():
             "weight_decay",
             "warmup_steps",
             "min_lr_ratio",
+            "decay_steps",
             "grad_clip",
         ],
         "outer": [

@@ -68,6 +68,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: floa
 def build_schedule(
     optimizer: torch.optim.Optimizer, cfg: OptimSection, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule over `total_steps`, or over optim.decay_steps where that is set."""
+    span = cfg.decay_steps or total_steps
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+        optimizer, lambda s: lr_factor(s, span, cfg.warmup_steps, cfg.min_lr_ratio)
     )

@@ -380,6 +380,11 @@ class OptimSection(Section):
     """Linear warmup, in inner steps."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio at the last step."""
+    decay_steps: int = 0
+    """Inner steps the warmup and cosine decay span (0: run.steps). Past them the lr stays at its
+    floor, so a run longer than decay_steps repeats the shorter run's first decay_steps steps
+    exactly and then goes on at the floor (how a comparison lets a method run past another's
+    step count without changing the steps they share)."""
     grad_clip: float = 1.0
     """Clip the gradient norm to this value (0: off)."""
 
@@ -389,6 +394,7 @@ class OptimSection(Section):
         self.require(all(0 <= b < 1 for b in self.betas), "betas", "each must be in [0, 1)")
         self.at_least("warmup_steps", 0)
         self.require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        self.at_least("decay_steps", 0, "0: run.steps")
         self.at_least("grad_clip", 0, "0: off")
 
 
