@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> None:
                 for m in methods:
                     name = f"{m}-H{H}-s{seed}".replace(":", "_").replace("+", "-")
                     sets = [*common, *args.set, f"run.seed={seed}", f"run.name={name!r}"]
-                    sets.append(f"run.out_dir={tmp!r}")
-                    cfg = build_config(Config, raw, [*sets, *overrides_of(m, variants)])
+                    out_dir = f"run.out_dir={tmp!r}"  # a temporary directory: not recorded
+                    cfg = build_config(Config, raw, [*sets, out_dir, *overrides_of(m, variants)])
                     row = {"method": m, "H": H, "seed": seed, "sets": sets}
                     row |= summarize(run_one(cfg, args.runtime, Path(tmp)))
                     row["util_r0887"] = closed_form_util(cfg)

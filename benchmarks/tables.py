@@ -398,6 +398,65 @@ def hf_loss_gap_tuned(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _hf_runs(files: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """{(method, corpus, seed): run} of hf_loss_gap.py files; the corpus is the token shard
+    directory's name."""
+    return {(r["method"], Path(f["data"]).name, r["seed"]): r for f in files for r in f["runs"]}
+
+
+def hf_outer_choice(groups: tuple[tuple[str, ...], ...]) -> Callable[[list[dict]], str]:
+    """Per group of variants (one method's outer steps): each seed's final validation loss (each
+    worker's own model, mean over workers) and the mean, the lowest mean in bold."""
+
+    def render(files: list[dict]) -> str:
+        runs = _hf_runs(files)
+        seeds = sorted({s for _, _, s in runs})
+        head = " | ".join(f"seed {s}" for s in seeds)
+        lines = [f"| variant | corpus | {head} | mean |", "|---" * (len(seeds) + 3) + "|"]
+        for group in groups:
+            corpus = next(c for m, c, _ in runs if m == group[0])
+            means = {m: statistics.mean(runs[m, corpus, s]["loss_val"] for s in seeds)
+                     for m in group}  # fmt: skip
+            for m in group:
+                cells = [f"{runs[m, corpus, s]['loss_val']:.4f}" for s in seeds]
+                cells.append(f"{means[m]:.4f}")
+                if means[m] == min(means.values()):
+                    cells = [f"**{c}**" for c in cells]
+                lines.append(_row([m, corpus, *cells]))
+        return "\n".join(lines)
+
+    return render
+
+
+def hf_pair_ratios(pairs: tuple[tuple[str, str], ...]) -> Callable[[list[dict]], str]:
+    """Per (method, reference) pair and corpus: the method's final validation loss over the
+    reference's of the same seed, each worker's own model and the averaged one: mean, worst."""
+
+    def render(files: list[dict]) -> str:
+        runs = _hf_runs(files)
+        corpora = list(dict.fromkeys(c for _, c, _ in runs))
+        seeds = sorted({s for _, _, s in runs})
+        lines = [
+            "| method / reference | corpus | each worker's own model, seeds "
+            f"{', '.join(map(str, seeds))} | mean, worst | averaged model: mean, worst |",
+            "|---|---|---|---|---|",
+        ]
+        for method, ref in pairs:
+            for c in corpora:
+                if not all((m, c, s) in runs for m in (method, ref) for s in seeds):
+                    continue
+                xs, avg = (
+                    [runs[method, c, s][key] / runs[ref, c, s][key] for s in seeds]
+                    for key in ("loss_val", "loss_val_avg_model")
+                )
+                cells = [", ".join(f"{x:.4f}" for x in xs)]
+                cells += [f"{statistics.mean(x):.4f}, {max(x):.4f}" for x in (xs, avg)]
+                lines.append(_row([f"{method} / {ref}", c, *cells]))
+        return "\n".join(lines)
+
+    return render
+
+
 # The outer steps tried for DiLoCo with topk:0.01+2bit (variant names of the pilot files, whose
 # JSON records the name only; fgd_real_text.py's --variant gave each its overrides).
 SPARSE_OUTER = (
@@ -1185,6 +1244,18 @@ RETUNE_ALL_PAIRS = tuple((pick, "diloco-m0-lr1.26") for pick, _ in RETUNE_ALL_PI
 )  # each pick over retuned DiLoCo, then over its own shipped step
 
 
+DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
+    (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
+    for m in ("diloco", "streaming")
+)
+DEFAULT_JOB_PAIRS = (("streaming-m0-lr1.0", "diloco-m0-lr1.0"),)  # the picks
+DEFAULT_JOB_FILES = tuple(
+    f"default_job_{part}_{m}.json" for part in ("grid", "report") for m in ("diloco", "streaming")
+)
+E3M0_GRID = (("diloco", "diloco-e3m0-m0-lr1.0", "diloco-e3m0-m0-lr1.26", "diloco-e3m0-m0-lr1.6"),)
+E3M0_PAIRS = (("diloco-e3m0-m0-lr1.26", "diloco"),)  # the pick over DiLoCo at its own
+
+
 def _time_to_loss(file: str, render: Callable[[dict], str]) -> Table:
     """A table of docs/results/time_to_loss.md drawn from one time_to_loss.py results file."""
     return Table("docs/results/time_to_loss.md", (file,), lambda f: render(f[0]))
@@ -1273,6 +1344,8 @@ TABLES = {
         "time_to_loss_retuned_h10_streaming.json", time_to_loss_table
     ),
     "time-to-loss-mix1-bf16": _time_to_loss("time_to_loss_mix1bf16.json", time_to_loss_table),
+    "time-to-loss-past-links": _time_to_loss("time_to_loss_past_h10.json", links_table),
+    "time-to-loss-past": _time_to_loss("time_to_loss_past_h10.json", time_to_loss_table),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
     ),
@@ -1322,6 +1395,22 @@ TABLES = {
         "docs/results/fgd.md",
         ("fgd_retune_grid_h10.json", "fgd_retune_report_h10.json"),
         fgd_pair_ratios(RETUNE_PAIRS_H10),
+    ),
+    "default-job-choice": Table(
+        "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
+    ),
+    "default-job-pairs": Table(
+        "docs/models.md", DEFAULT_JOB_FILES, hf_pair_ratios(DEFAULT_JOB_PAIRS)
+    ),
+    "e3m0-choice": Table(
+        "docs/results/compression.md",
+        ("fgd_e3m0_grid.json",),
+        fgd_outer_choice("stdlib", E3M0_GRID),
+    ),
+    "e3m0-pairs": Table(
+        "docs/results/compression.md",
+        ("fgd_e3m0_grid.json", "fgd_e3m0_report.json"),
+        fgd_pair_ratios(E3M0_PAIRS),
     ),
     "fgd-retune-all-choice": Table(
         "docs/results/fgd.md",

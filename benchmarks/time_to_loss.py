@@ -22,7 +22,10 @@ DiLoCo's at equal wall clock (where the sooner of the two ended). An evaluation 
 worker's own model on the same validation batches with no communication (run.eval_diagnostics =
 false): it costs every method the same compute and nothing waits on a transfer for it; the loss
 is the workers' mean. A method still above the target when its wall clock passes --budget x
-DiLoCo's is stopped there (DDP on a slow link) and reported as not reached. Beside each measured
+DiLoCo's is stopped there (DDP on a slow link) and reported as not reached. With --steps-x F
+every other method may run F x DiLoCo's steps (the lr at its floor past DiLoCo's last step, so
+its first steps are those of a run as long as DiLoCo's): a method that ends DiLoCo's steps a
+fraction of a percent above its loss gets a time instead of "not reached". Beside each measured
 curve of seed 0, the simulator's prediction: the same config on the simulated clock fed the
 probed links (the all-reduce's effective bandwidth, the pair exchange's ratio to it) and the
 run's measured step time, its time to its own DiLoCo's final loss read off the same way. Needs
@@ -50,6 +53,7 @@ BASELINE = "diloco"
 METHODS = {  # name -> (example config, extra overrides)
     "diloco": ("diloco", []),
     "diloco-int8": ("diloco", ["outer.codec='int8'"]),
+    "diloco-e3m0": ("diloco", ["outer.codec='e3m0'"]),  # Streaming's 4-bit codec, whole model
     "streaming": ("streaming", []),
     "noloco": ("noloco", []),
     "GlobalM1": ("fgd_globalm1", []),
@@ -68,9 +72,13 @@ def overrides(method: str, common: list[str]) -> tuple[str, list[str]]:
     return str(ROOT / "examples" / f"{example}.toml"), [*common, *extra]
 
 
-def common_overrides(args, seed: int, out_dir: str) -> list[str]:
+def common_overrides(args, seed: int, out_dir: str, longer: bool = False) -> list[str]:
+    """The overrides every run shares; `longer` runs go on past DiLoCo's steps (--steps-x) at
+    the floor lr, repeating over DiLoCo's steps what a run of that length does."""
+    steps = round(args.steps * args.steps_x) if longer else args.steps
     sets = [
-        f"run.steps={args.steps}",
+        f"run.steps={steps}",
+        f"optim.decay_steps={args.steps}",
         f"outer.H={args.H}",
         f"run.eval_every={args.eval_rounds * args.H}",
         f"run.eval_batches={args.eval_batches}",
@@ -187,6 +195,7 @@ def main() -> int:
     ap.add_argument("--data", default="", help="data.path (empty: the examples' stdlib bytes)")
     ap.add_argument("--cpu-share", type=float, default=0.4, help="cores per worker (cgroup)")
     ap.add_argument("--budget", type=float, default=2.0, help="x DiLoCo's wall clock")
+    ap.add_argument("--steps-x", type=float, default=1.0, help="other methods' steps x DiLoCo's")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator's curves")
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for every run")
     ap.add_argument("--out", default="benchmarks/results/time_to_loss.json")
@@ -211,6 +220,7 @@ def main() -> int:
     variants = {m: [f"config=examples/{METHODS[m][0]}.toml", *METHODS[m][1]] for m in methods}
     record = provenance.start("measured", variants=variants, note="netlab, cgroup CPU quota")
     record |= {"methods": methods, "seeds": seeds, "steps": args.steps, "H": args.H,
+               "steps_x": args.steps_x,
                "data": args.data or "stdlib bytes", "cpu_share": args.cpu_share,
                "budget_x_diloco": args.budget, "shared": common_overrides(args, 0, "RUNS"),
                "tuned_on": "stdlib (the examples' outer steps)", "cases": {},
@@ -229,7 +239,8 @@ def main() -> int:
             for name, case in record["cases"].items():
                 diloco_wall = None
                 for m in methods:
-                    cfg_path, sets = overrides(m, common_overrides(args, seed, runs))
+                    longer = m != BASELINE
+                    cfg_path, sets = overrides(m, common_overrides(args, seed, runs, longer))
                     sets.append(f"run.name='{name}-{m}-s{seed}'")
                     timeout = 3600 if diloco_wall is None else args.budget * diloco_wall + 30
                     c = curve(run_one(cfg_path, sets, labs[name], timeout))
@@ -275,8 +286,8 @@ def analyze(record: dict) -> list[dict]:
                 t_d = time_to(target, d["wall_s_measured"], d["val_loss"])
                 t_m = time_to(target, r["wall_s_measured"], r["val_loss"])
                 ratios.append(t_m / t_d if t_m is not None else None)
-                if r["step"] and r["step"][-1] == d["step"][-1]:
-                    final.append(r["val_loss"][-1] / target)
+                if d["step"][-1] in r["step"]:  # a longer run repeats DiLoCo's steps first
+                    final.append(r["val_loss"][r["step"].index(d["step"][-1])] / target)
                 U.append(r["U_measured"])
                 if "sim" in r and "sim" in d:  # the same rule on the simulated runs
                     sd, sm = d["sim"], r["sim"]
@@ -355,6 +366,8 @@ def plot(record: dict, path: Path) -> None:
                 if "sim" in r:
                     ax.plot(r["sim"]["wall_s_simulated"], r["sim"]["val_loss"], color=col,
                             linestyle=":", linewidth=1)  # fmt: skip
+        for r in (r for r in case["runs"] if r["method"] == BASELINE and r["seed"] == seed0):
+            ax.axhline(r["val_loss"][-1], color="grey", linewidth=0.6, label="DiLoCo's final loss")
         measured = [t for r in case["runs"] if r["seed"] == seed0 for t in r["wall_s_measured"]]
         if measured:  # the simulated tails of runs stopped early would squash the rest
             ax.set_xlim(0, 1.15 * max(measured))
