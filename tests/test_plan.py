@@ -375,6 +375,19 @@ def test_equal_wall_clock_ratio_reads_both_curves_where_the_sooner_ended():
     assert bench.equal_wall_x(early, diloco) is None
 
 
+def test_a_run_past_diloco_steps_is_read_at_diloco_last_step_and_timed_past_it():
+    bench = _benchmark()
+    diloco = {"method": "diloco", "seed": 0, "step": [10, 20], "wall_s_measured": [10.0, 20.0],
+              "val_loss": [3.0, 2.8], "U_measured": 0.5}  # fmt: skip
+    longer = {"method": "streaming", "seed": 0, "step": [10, 20, 30],
+              "wall_s_measured": [4.0, 8.0, 12.0], "val_loss": [3.1, 2.9, 2.7],
+              "U_measured": 0.9}  # fmt: skip
+    record = {"methods": ["diloco", "streaming"], "cases": {"r": {"runs": [diloco, longer]}}}
+    got = {a["method"]: a for a in bench.analyze(record)}["streaming"]
+    assert got["final_x"] == [pytest.approx(2.9 / 2.8)]  # its loss at DiLoCo's step 20
+    assert got["ratios"] == [pytest.approx(10.0 / 20.0)]  # 2.8 reached halfway to step 30
+
+
 def test_check_against_the_measurements_prints_every_case():
     bench = _benchmark()
     record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
