@@ -1346,6 +1346,12 @@ TABLES = {
     "time-to-loss-mix1-bf16": _time_to_loss("time_to_loss_mix1bf16.json", time_to_loss_table),
     "time-to-loss-past-links": _time_to_loss("time_to_loss_past_h10.json", links_table),
     "time-to-loss-past": _time_to_loss("time_to_loss_past_h10.json", time_to_loss_table),
+    "time-to-loss-past-r1-slow-links": _time_to_loss(
+        "time_to_loss_past_h10_r1_slow.json", links_table
+    ),
+    "time-to-loss-past-r1-slow": _time_to_loss(
+        "time_to_loss_past_h10_r1_slow.json", time_to_loss_table
+    ),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
     ),
