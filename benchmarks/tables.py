@@ -1244,6 +1244,10 @@ RETUNE_ALL_PAIRS = tuple((pick, "diloco-m0-lr1.26") for pick, _ in RETUNE_ALL_PI
 )  # each pick over retuned DiLoCo, then over its own shipped step
 
 
+STREAMING_GRID_H10 = (  # Streaming's own step at H = 10 beside DiLoCo's (its H = 10 pick: lr 1.0)
+    ("diloco", "diloco-m0-lr1.0"),
+    ("streaming-m0-lr1.0", "streaming-m0-lr1.26", "streaming-m0-lr1.6"),
+)
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1401,6 +1405,11 @@ TABLES = {
         "docs/results/fgd.md",
         ("fgd_retune_grid_h10.json", "fgd_retune_report_h10.json"),
         fgd_pair_ratios(RETUNE_PAIRS_H10),
+    ),
+    "streaming-h10-choice": Table(
+        "docs/results/time_to_loss.md",
+        ("fgd_streaming_grid_h10.json",),
+        fgd_outer_choice("stdlib", STREAMING_GRID_H10),
     ),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
