@@ -112,3 +112,19 @@ def test_a_gap_in_the_sources_log_is_filled_from_the_reserve(tmp_path):
     assert rounds == [1, 2, 3, 4]
     order = [(r["kind"], r["step"]) for r in read_metrics(path)]
     assert order == sorted(order, key=lambda x: (x[1], x[0] == "round"))  # as one worker logs
+
+
+def test_a_round_record_the_source_writes_late_is_its_own(tmp_path):
+    """Worker 0 writes a round's record once the workers' means are in, which may be after the
+    next round's first steps: that is not a gap, and the other machine's record of the round
+    (its own worker's scalars, not the means) is not taken instead."""
+    path = tmp_path / "metrics.jsonl"
+    relay = MetricsRelay(path)
+    late = [json.loads(x) for x in lines("A", 1, 8)]
+    round_1 = late.pop(4)  # round 1's record, after step 5
+    late.insert(5, round_1)
+    relay.add("B", lines("B", 1, 8), ["A", "B"])
+    relay.add("A", [json.dumps(r) for r in late], ["A", "B"])
+    recs = read_metrics(path)
+    assert [(r["round"], r["by"]) for r in recs if r["kind"] == "round"] == [(1, "A"), (2, "A")]
+    assert [r["by"] for r in recs] == ["A"] * len(late)

@@ -2,14 +2,17 @@
 
 Each machine's first worker writes its machine's metrics.jsonl (Runtime.writes_metrics) and its
 agent relays the new lines (train/agent.py). The machines' step records differ (each holds its
-own worker's training loss); their round and membership records say the same thing. So one
+own worker's training loss), and so do their round records' scalars (worker 0 averages over the
+workers, the others log their own); their membership records say the same thing. So one
 machine is the source: the one holding the lowest slot when the first lines come, and it stays
 the source until it is lost (a joiner in a lower slot does not take over, so no record falls
 between two sources). The others' lines are kept in reserve from the newest record written on;
 when the source is lost, the machine holding the lowest slot among the rest takes over from
-there. A source whose writing worker was restarted (it rejoins at a round end) has a gap: the
-records of the rounds trained meanwhile come from the reserve. A record without a step
-(membership) that is already in the log is not written again.
+there. A source whose writing worker was restarted (it rejoins at a round end) has a gap, seen
+as a jump in its step records: the records of the rounds trained meanwhile come from the
+reserve. A round record that comes late (worker 0 writes it once the workers' means are in,
+possibly after the next round's steps) is not a gap. A record without a step (membership) that
+is already in the log is not written again.
 Every round is logged once, in order, whatever machines come and go.
 """
 
@@ -47,8 +50,8 @@ class MetricsRelay:
                 self.source = holders[0] if holders else machine
             out: list[str] = []
             for rec, line in self.reserve.pop(self.source, []):
-                if rec.get("step") is not None:  # what the source missed (its writer restarted)
-                    out += self._fill(rec["step"], holders)
+                if rec.get("kind") == "step" and rec["step"] > self.newest.get("step", 0) + 1:
+                    out += self._fill(rec["step"], holders)  # the source's writer restarted
                 out += self._take(rec, line)
             self._drop_written()
             if out:
