@@ -38,6 +38,11 @@ TRAIN = [
     ("timeout-inf", ["--set", "run.timeout_s=inf"], "run.timeout_s = inf: must be a finite"),
     ("timeout-nan", ["--set", "run.timeout_s=nan"], "run.timeout_s = nan: must be a finite"),
     (
+        "coordinator-wait",
+        ["--set", "fault_tolerance.coordinator_wait_s=200"],  # run.timeout_s is 300
+        "fault_tolerance.coordinator_wait_s = 200.0: must be at most half of run.timeout_s",
+    ),
+    (
         "mix1-deadline",
         ["--set", "fault_tolerance.mix1_deadline_s=-1"],
         "fault_tolerance.mix1_deadline_s = -1.0",

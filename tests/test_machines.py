@@ -93,11 +93,13 @@ def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(
 def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_path, reference):
     """Killed and restarted at once: the machines keep their workers (none restarts) and go on
     from the store as it was. Killed again and left away past
-    fault_tolerance.coordinator_wait_s: each machine exits with one line naming its
-    checkpoints; `coordinator --resume` and `join --resume` everywhere go on from them (one
-    machine's before the coordinator is back: it keeps trying). Every round is logged once, and
-    the end equals the uninterrupted run bit for bit."""
-    sets = (*SETS, f"fault_tolerance.coordinator_wait_s={WAIT_S}")
+    fault_tolerance.coordinator_wait_s: every worker finishes the round in hand without the
+    store and checkpoints it (no periodic checkpoints here), and each machine exits with one
+    line naming that round, the last one it trained; `coordinator --resume` and `join
+    --resume` everywhere go on from it (one machine's before the coordinator is back: it keeps
+    trying). Every round is logged once, and the end equals the uninterrupted run bit for
+    bit."""
+    sets = (*SETS, f"fault_tolerance.coordinator_wait_s={WAIT_S}", "run.checkpoint_every=0")
     run = Run(tmp_path, config_factory(tmp_path / "coord", *sets))
     try:
         a, b = two_machines_lose_the_coordinator(run)
@@ -108,9 +110,12 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
         wait_for(lambda: rounds_logged(run) >= at + 3, "3 more rounds", procs=[again, a, b])
         assert ", from round" not in run.log()  # nothing went back to a checkpoint
         kill(again)  # and it stays away
-        assert a.wait(60) == 1 and b.wait(60) == 1  # each says where its checkpoints are
+        assert a.wait(60) == 1 and b.wait(60) == 1  # each says where its checkpoint is
         assert "join 127.0.0.1:" in run.output("a") and "--resume" in run.output("a")
         assert not any("restarting" in run.output(m) for m in "ab")  # no worker restarted
+        stopped = {m: newest_checkpoint(run.output(m)) for m in "ab"}
+        trained = last_round(tmp_path / "a" / "metrics.jsonl")
+        assert stopped == {"a": trained, "b": trained}, (stopped, trained)  # nothing lost
         a = run.join("a", resume=True)  # before the coordinator: it tries until it is back
         wait_for(lambda: "no coordinator at" in run.output("a-again"), "a trying", procs=[a])
         last = run.start_coordinator(resume=True, name="coordinator-3")
@@ -122,7 +127,7 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
     finally:
         run.close()
     assert run.log().count("going on from checkpoints") == 1
-    assert run.log().count(", from round") == 2  # both machines, from one checkpoint
+    assert run.log().count(f", from round {trained}") == 2  # both machines, from that round
     assert_equal_to(reference, run, [tmp_path / "a", tmp_path / "b"])
 
 
@@ -180,6 +185,16 @@ def two_machines_lose_the_coordinator(run: Run):
         procs=[a, b],
     )
     return a, b
+
+
+def newest_checkpoint(output: str) -> int:
+    """The round an agent's give-up line names as its newest checkpoint."""
+    line = next(x for x in output.splitlines() if "newest checkpoint: round " in x)
+    return int(line.split("newest checkpoint: round ")[1].split()[0])
+
+
+def last_round(metrics: Path) -> int:
+    return max(r["round"] for r in read_metrics(metrics) if r["kind"] == "round")
 
 
 def kill(coord) -> None:

@@ -92,6 +92,10 @@ class FaultyRuntime(Runtime):
             fire("kill")
 
     # ---- the rest is the runtime's
+    @property
+    def stopping(self) -> bool:
+        return self.runtime.stopping
+
     def metric_mean(self, values: list[float]) -> list[float]:
         return self.runtime.metric_mean(values)
 

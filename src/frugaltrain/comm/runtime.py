@@ -29,6 +29,11 @@ from frugaltrain.comm.base import Comm, flatten, unflatten_into
 StateFn = Callable[[], dict]
 
 
+class MeansUnavailable(Exception):
+    """A round's means cannot be had now; its record waits for them (the fault-tolerant
+    runtime: the store was lost while they were read, and the last round end gathers them)."""
+
+
 class Means:
     """The workers' means of one round's logging scalars, in flight. Call it for the values;
     `ready()` says whether waiting would return at once (plain runtimes: never sure, so the
@@ -52,6 +57,8 @@ class RoundEnd:
 
 class Runtime:
     """The plain runtime around `comm`: a fixed set of members."""
+
+    stopping = False  # the fault-tolerant runtime's last round end: the loop checkpoints, stops
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm

@@ -232,13 +232,13 @@ class FaultToleranceSection(Section):
     deadline_floor_s: float = 60.0
     """The shortest adaptive deadline, in seconds: slack for what a round can legitimately
     contain on one peer only (a checkpoint write, a slow evaluation)."""
-    coordinator_wait_s: float = 600.0
+    coordinator_wait_s: float = 0.0
     """Across machines (frugaltrain join): how long a machine that lost the coordinator keeps
-    its workers going and waits for it to come back (`frugaltrain coordinator --resume`); the
-    workers finish the round in hand and wait in their next store call. Past it, they stop and
-    the machine exits with its checkpoints in place. A store call held longer than a worker's
-    store timeout (run.timeout_s, at least 60 s) fails that worker, which its agent restarts
-    once the coordinator is back."""
+    its workers going and waits for it to come back (`frugaltrain coordinator --resume`); 0:
+    half of run.timeout_s. The workers finish the round in hand and wait in their next store
+    call. Past it, every worker finishes its round without the store, checkpoints it, and
+    stops; the machine exits with one line. At most half of run.timeout_s: a worker held that
+    long plus a round must not outlast its peers' gloo deadline or its own store timeout."""
     resume_wait_s: float = 120.0
     """Across machines: how long `frugaltrain coordinator --resume` waits for the machines that
     held slots before it goes on with those back, if they hold run.min_workers slots. The
@@ -254,7 +254,7 @@ class FaultToleranceSection(Section):
         self.positive("mix1_deadline_s")
         self.require(self.deadline_factor >= 1, "deadline_factor", "must be at least 1 (x p90)")
         self.positive("deadline_floor_s")
-        self.positive("coordinator_wait_s")
+        self.at_least("coordinator_wait_s", 0)
         self.positive("resume_wait_s")
         self.at_least("max_restarts", 0)
         try:
@@ -861,9 +861,23 @@ def _check_streaming(o: OuterSection, m: ModelSection) -> None:
     )
 
 
+def coordinator_wait_s(cfg: Config) -> float:
+    """fault_tolerance.coordinator_wait_s, its default (0) resolved: half of run.timeout_s."""
+    return cfg.fault_tolerance.coordinator_wait_s or cfg.run.timeout_s / 2
+
+
 def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> None:
     """Every injected fault names a worker of this run and fires in one of its rounds; the
-    fault-tolerant runtime's only non-blocking mix is Mix1 (comm/ft/mix1.py)."""
+    fault-tolerant runtime's only non-blocking mix is Mix1 (comm/ft/mix1.py); a machine waits
+    for a lost coordinator at most half of run.timeout_s."""
+    require(
+        ft.coordinator_wait_s <= r.timeout_s / 2,
+        "fault_tolerance.coordinator_wait_s",
+        ft.coordinator_wait_s,
+        f"must be at most half of run.timeout_s = {r.timeout_s:g} s (a worker held that long "
+        "plus a round must not outlast its peers' gloo deadline); lower it, or raise "
+        "run.timeout_s",
+    )
     require(
         not (ft.enabled and o.strategy == "fgd" and o.fgd.mix2_overlap),
         "outer.fgd.mix2_overlap",

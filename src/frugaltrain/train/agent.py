@@ -16,8 +16,10 @@ without them.
 When the coordinator is lost, the workers go on: the tunnel holds their store requests (they
 finish the round in hand and wait in their next store call) while the agent joins again, as a
 machine whose workers run, every PING_S. Back within fault_tolerance.coordinator_wait_s, the
-run goes on where it was; past it, the workers stop and the agent exits with one line naming
-its checkpoints (`join --resume` goes on from them once `coordinator --resume` runs).
+run goes on where it was. Past it, the tunnel stops holding: every worker finishes the round in
+hand without the store (its gloo peers are still there), checkpoints it and stops
+(comm/ft/runtime.py), and the agent exits with one line naming that checkpoint (`join
+--resume` goes on from it once `coordinator --resume` runs).
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ import torch.distributed as dist
 
 from frugaltrain.comm.auth import Channel, Refused, connect, read_token
 from frugaltrain.comm.gateway import StoreTunnel
-from frugaltrain.config import Config, ConfigError, build_config, read_toml, to_dict, to_toml
+from frugaltrain.config import (
+    Config,
+    ConfigError,
+    build_config,
+    coordinator_wait_s,
+    read_toml,
+    to_dict,
+    to_toml,
+)
 from frugaltrain.metrics.log import keep_until_step
 from frugaltrain.train import checkpoint, run_store, supervisor
 from frugaltrain.train.coordinator import LEASE_S, PING_S
@@ -187,7 +197,7 @@ class Agent:
         go on (their store requests held by the tunnel) while the agent joins again, for at
         most fault_tolerance.coordinator_wait_s; past it they stop, with one line."""
         resume = self._take(msg)
-        hold_s = self.cfg.fault_tolerance.coordinator_wait_s
+        hold_s = coordinator_wait_s(self.cfg)
         say = functools.partial(print, flush=True)
         self.tunnel = StoreTunnel(self.host, self.port, self.token, log=say, hold_s=hold_s).start()
         try:
@@ -215,7 +225,7 @@ class Agent:
     def _rejoin(self, why: str) -> dict:
         """The coordinator is away: join again every PING_S, as a machine whose workers run,
         for at most coordinator_wait_s; its answer, or CoordinatorLost."""
-        wait_s = self.cfg.fault_tolerance.coordinator_wait_s
+        wait_s = coordinator_wait_s(self.cfg)
         print(
             f"[agent] lost the coordinator at {self.address} ({why}); this machine's workers "
             f"go on, their store requests held; waiting up to {wait_s:g} s for it to come back",
@@ -237,20 +247,21 @@ class Agent:
 
     def _give_up(self) -> None:
         """One line: why this machine stopped, where its checkpoints are, how to go on."""
-        wait_s = self.cfg.fault_tolerance.coordinator_wait_s
+        wait_s = coordinator_wait_s(self.cfg)
         rounds = self._rounds()
         where = f"round {rounds[-1][0]} in {self.run_dir}" if rounds else "none yet"
         print(
             f"[agent] the coordinator did not come back within {wait_s:g} s "
             f"(fault_tolerance.coordinator_wait_s); this machine's workers stopped; its "
-            f"checkpoints: {where}; go on with `frugaltrain join {self.address} --token FILE "
+            f"newest checkpoint: {where}; go on with `frugaltrain join {self.address} --token FILE "
             f"--resume {self.run_dir}` once `frugaltrain coordinator --resume` runs",
             flush=True,
         )
 
     def _supervise(self, resume: Path | None) -> None:
         """This machine's processes until all have finished; through a lost coordinator they
-        go on (`_away`). CoordinatorLost or GoOnFrom: every process is stopped."""
+        go on (`_away`). GoOnFrom: every process is stopped; CoordinatorLost: each is given
+        time to checkpoint the round in hand first."""
         cfg, S = self.cfg, self.cfg.run.shards
         timeout = timedelta(seconds=max(60.0, cfg.run.timeout_s))
         store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
@@ -292,11 +303,28 @@ class Agent:
                 if leaving:
                     return
                 supervisor.restart_failed(failed, procs, start, restarts, cfg, self.run_dir, store)
+        except CoordinatorLost:
+            if not self.run_over:
+                self._let_workers_stop(procs)
+            raise
         finally:
             for p in procs.values():
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+    def _let_workers_stop(self, procs: dict[int, mp.Process]) -> None:
+        """The coordinator stayed away: the tunnel no longer holds, so each worker finishes
+        the round in hand on gloo alone, checkpoints it and exits. Wait for that, at most
+        run.timeout_s (its gloo deadline); the caller kills any still running."""
+        print(
+            "[agent] the workers finish the round in hand without the coordinator, checkpoint "
+            f"it and stop (waiting up to run.timeout_s = {self.cfg.run.timeout_s:g} s)",
+            flush=True,
+        )
+        deadline = time.monotonic() + self.cfg.run.timeout_s
+        for p in procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
 
     def _away(self, why: str) -> None:
         """The coordinator is away: join again (`_rejoin`); on its answer the workers go on
@@ -345,7 +373,7 @@ def _join_when_back(agent: Agent, run_dir: Path) -> dict | None:
     """`join --resume`: the coordinator may not be back yet, so try every PING_S for the run's
     fault_tolerance.coordinator_wait_s before giving up with one line."""
     cfg = build_config(Config, read_toml(run_dir / "config.toml"))
-    wait_s, t0, said = cfg.fault_tolerance.coordinator_wait_s, time.monotonic(), False
+    wait_s, t0, said = coordinator_wait_s(cfg), time.monotonic(), False
     while True:
         try:
             return agent.join()

@@ -216,7 +216,7 @@ def train_worker(
         close = close_round(w, log, run_dir, record, val_loss is not None, save)
         late = runtime.end_round(w.round, scalars.pack(), close)
         log.events([{"round": w.round, **e} for e in late])
-        if stop:
+        if stop or runtime.stopping:
             break
     log.close()
     return WorkerResult(step=w.step, round=w.round, val_loss=val_loss, model=w.model)
@@ -253,7 +253,7 @@ def close_round(
         # This round's rejections (and failures) are counted in its own record.
         log.events([{"round": w.round, **e} for e in end.events])
         log.round(record, end.means, has_val)
-        if save:
+        if save or w.runtime.stopping:  # stopping: the store is lost, this round is the last
             log.flush(everything=True)
             save_checkpoint(w, run_dir)
         return w.state

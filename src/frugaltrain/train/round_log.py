@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 
+from frugaltrain.comm.runtime import MeansUnavailable
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.metrics.peers import count_events, fields_from_means
 from frugaltrain.metrics.sinks import Sink
@@ -101,10 +102,16 @@ class RoundLog:
     def flush(self, everything: bool = False) -> None:
         """Write the queued round records whose means are in (`everything`: all of them)."""
         while self._pending:
-            ready = getattr(self._pending[0][1], "ready", None)  # comm.runtime.Means
+            record, means, has_val = self._pending[0]
+            ready = getattr(means, "ready", None)  # comm.runtime.Means
             if not everything and not (ready() if ready else len(self._pending) > 1):
                 return
-            self._write_round(*self._pending.popleft())
+            try:
+                values = means()
+            except MeansUnavailable:
+                return  # kept, in order, until they can be had
+            self._pending.popleft()
+            self._write_round(record, values, has_val)
 
     def events(self, records: list[dict]) -> None:
         self._events += records
@@ -117,8 +124,8 @@ class RoundLog:
             self.bar.close()
         self.log.close()
 
-    def _write_round(self, record: dict, means: Callable[[], list[float]], has_val: bool) -> None:
-        mean = RoundScalars.unpack(means())
+    def _write_round(self, record: dict, means: list[float], has_val: bool) -> None:
+        mean = RoundScalars.unpack(means)
         compute, blocking = mean.compute_s, mean.blocking_s
         record.update(
             {

@@ -304,7 +304,7 @@ def _elastic_worker(
     group s's. `local`: the workers on this machine when the run spans machines (train/agent.py)."""
     from frugaltrain.comm.ft.comm import ElasticComm
     from frugaltrain.comm.ft.runtime import ElasticRuntime
-    from frugaltrain.comm.ft.world import Identity
+    from frugaltrain.comm.ft.world import STOPPED_EXIT, Identity
 
     S = cfg.run.shards
     replica, shard = divmod(rank, S)
@@ -318,7 +318,7 @@ def _elastic_worker(
         timeout = timedelta(seconds=cfg.run.timeout_s)
         dist.init_process_group(backend(cfg), store=own, rank=shard, world_size=S, timeout=timeout)
         shards = shards_of(dist.group.WORLD, cfg.run.device)
-    me = Identity(host, port, replica, cfg.run.workers, incarnation, ns)
+    me = Identity(host, port, replica, cfg.run.workers, incarnation, ns, local is not None)
     link = shards.link if shards else None
     options, timeout_s = cfg.fault_tolerance, cfg.run.timeout_s
     comm = ElasticComm(
@@ -328,13 +328,19 @@ def _elastic_worker(
     faults = _injector(cfg, replica, shard, incarnation) if cfg.fault_tolerance.inject else None
     resume_path = Path(resume) if resume and incarnation == 1 else None
     loop_runtime = FaultyRuntime(runtime, faults) if faults else runtime
-    train_worker(cfg, loop_runtime, Path(run_dir), resume_path, shards)
-    runtime.close()
+    result = train_worker(cfg, loop_runtime, Path(run_dir), resume_path, shards)
+    runtime.close(finished=not runtime.stopping)
+    if runtime.stopping:
+        print(
+            f"[worker {replica}] the run's store is gone: round {result.round} is checkpointed; "
+            "stopping",
+            flush=True,
+        )
     # Leave without running destructors: gloo groups of abandoned epochs may still hold threads
     # blocked on a dead peer, and tearing those down aborts the process.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(STOPPED_EXIT if runtime.stopping else 0)
 
 
 def _injector(cfg: Config, replica: int, shard: int, incarnation: int):

@@ -10,7 +10,8 @@ posts, numbered in the order posted, and how a failure is survived.
             (fault_tolerance.deadline_factor x the p90 of recent round times, within
             [fault_tolerance.deadline_floor_s, run.timeout_s]: a peer alive but stuck; the
             members that have not posted the operation are cut out of the rendezvous), or when
-            another worker has marked the epoch broken in the store. Time in which this
+            another worker has marked the epoch broken in the store. Once the store is lost
+            for good (world.py, `guarded`), only gloo's own deadline is left. Time in which this
             worker's own store reads were held up (the coordinator away: its machine's store
             tunnel holds requests until it is back, comm/gateway.py) counts against neither
             the deadline nor anyone's heartbeat: nobody's beats reached the store then.
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from frugaltrain.comm.base import CommStats
 from frugaltrain.comm.ft import heartbeat, keys
-from frugaltrain.comm.ft.world import EVICTED_EXIT, World, short_error
+from frugaltrain.comm.ft.world import EVICTED_EXIT, StoreLost, World, short_error
 
 LOG_KEEP = 8  # completed operations whose inputs are kept for a re-post after a failure
 POLL_S = 0.05  # how often a wait looks at the store (broken epoch, heartbeats)
@@ -71,7 +72,8 @@ class OpLog:
 
     # ---- posting
     def post(self, kind: str, inputs: list[torch.Tensor]) -> Op:
-        if self.world.is_broken():
+        world = self.world
+        if world.guarded(world.is_broken, False):
             self.recover("another worker reported a failure")
         op = Op(self.seq, kind, [t.detach().clone() for t in inputs])
         self.seq += 1
@@ -81,7 +83,7 @@ class OpLog:
             drop = {id(o) for o in done[: len(done) - LOG_KEEP]}
             self.log = [o for o in self.log if id(o) not in drop]
         self._launch(op)
-        self.world.store.set(keys.posted(self.world.rank), str(op.seq))  # who is stuck
+        world.guarded(lambda: world.store.set(keys.posted(world.rank), str(op.seq)), None)
         return op
 
     def _launch(self, op: Op) -> None:
@@ -146,12 +148,19 @@ class OpLog:
                 op.done, op.result = True, self._result(op)
                 return None
             now = time.monotonic()
+            if world.store_lost:  # no checks without the store: gloo's own deadline is left
+                time.sleep(0.001)
+                continue
             if now - t_wait - away > deadline:
                 return self._evict_stuck(op, why)
             if now >= next_check:
-                if world.has(keys.broken(op.epoch)):
+                if world.guarded(lambda: world.has(keys.broken(op.epoch)), False):
                     return "another worker reported a failure"
-                counts = {m: heartbeat.beat_of(world.store, m) for m in peers}
+                counts = world.guarded(
+                    lambda: {m: heartbeat.beat_of(world.store, m) for m in peers}, None
+                )
+                if counts is None:
+                    continue
                 after = time.monotonic()
                 next_check = after + POLL_S
                 held = after - now > world.hb_timeout_s / 2  # the coordinator away, say
@@ -221,6 +230,8 @@ class OpLog:
         """Mark this epoch broken (the first reason named wins), re-rendezvous with whoever is
         alive, and re-post what was interrupted."""
         world = self.world
+        if world.store_lost:
+            raise StoreLost(f"{reason}; the members cannot re-form without the run's store")
         t0 = time.monotonic()
         reason = world.store.compare_set(keys.broken(world.epoch), "", reason).decode()
         for hook in self.on_recover:

@@ -6,6 +6,13 @@ restarted worker's rejoin (admission.py), the round record's fields and the memb
 It also lends the fault-injection layer (comm/faults.py) what it needs to act like a real
 fault: going silent as behind a partition, stopping the heartbeat, and a hook at the start of a
 recovery.
+
+Across machines the store can be lost for good (world.py, `guarded`: the coordinator stayed
+away past fault_tolerance.coordinator_wait_s). Every round end then starts with one small gloo
+all-reduce: whether any member has lost the store. The members learn it at different moments,
+but they all take part in the same all-reduce of the same round, so they agree on the round to
+stop at: its end is logged (the logging scalars gathered over gloo), checkpointed, and the
+worker stops (`stopping`). So a run whose coordinator is gone loses no finished round.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ import json
 import time
 from collections.abc import Callable, Collection
 
+import torch
+
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.ft.admission import Admission
 from frugaltrain.comm.ft.comm import ElasticComm
 from frugaltrain.comm.ft.means import StoreMeans
-from frugaltrain.comm.runtime import Means, Runtime, StateFn
+from frugaltrain.comm.runtime import Means, RoundEnd, Runtime, StateFn
 
 
 class ElasticRuntime(Runtime):
@@ -36,6 +45,7 @@ class ElasticRuntime(Runtime):
         self.world, self.oplog = comm.world, comm.oplog
         self.min_workers, self.local = min_workers, set(local) if local is not None else None
         self.means = StoreMeans(comm.oplog)
+        self.stopping = False  # the store is lost everywhere: this round end is the last
         logs = self.writes_metrics(comm.rank, 0)  # in every shard group: its own joiners
         self.admission = Admission(comm.oplog, comm.mix1, self.means, comm.shard_link, logs)
 
@@ -96,12 +106,48 @@ class ElasticRuntime(Runtime):
         self.oplog.on_recover.append(hook)
 
     # ---- the round end (comm/runtime.py)
+    def end_round(
+        self, round_idx: int, scalars: list[float], close: Callable[[RoundEnd], StateFn]
+    ) -> list[dict]:
+        """Across machines, first agree whether the store is lost (module docstring)."""
+        if self.local is not None and self._store_lost_anywhere():
+            return self._last_round(round_idx, scalars, close)
+        return super().end_round(round_idx, scalars, close)
+
+    def _store_lost_anywhere(self) -> bool:
+        """Whether any member has lost the store (with shards: any member of any shard group,
+        so that a replica's shards stop at the same round end)."""
+        lost = torch.tensor([float(self.world.store_lost)])
+        total, _ = self.oplog.wait(self.oplog.post("max", [lost]))
+        link = self.comm.shard_link
+        anywhere = bool(total.item() > 0)
+        return anywhere if link is None else not link.all_true(not anywhere)
+
+    def _last_round(
+        self, round_idx: int, scalars: list[float], close: Callable[[RoundEnd], StateFn]
+    ) -> list[dict]:
+        """The round end without the store, the same on every member: the scalars gathered
+        over gloo, the round logged and checkpointed (the loop sees `stopping`)."""
+        world = self.world
+        world.lose_store("another member lost it")
+        self._round = world.round = round_idx
+        self.stopping = True
+        fields = {"ft/members": len(self.comm.members), "ft/mix1_late": self.comm.mix1.take_late()}
+        fields["ft/slowest_round"] = round_idx  # every member is at this round end
+        events = self._drain_events()
+        means = self.means.post(scalars)
+        self.means.gather_recent()
+        close(RoundEnd(fields, events, means))
+        return self._drain_events()
+
     def _round_fields(self) -> dict:
         """Fault-tolerance fields of worker 0's round record: how far behind the slowest
         member is, and the Mix1 messages worker 0 dropped at the deadline this round."""
         store, members = self.world.store, self.comm.members
         ats = [keys.at(m) for m in members]
-        at = [int(v) for v in store.multi_get(ats)] if store.check(ats) else []
+        at = self.world.guarded(
+            lambda: [int(v) for v in store.multi_get(ats)] if store.check(ats) else [], []
+        )
         fields = {"ft/members": len(members), "ft/mix1_late": self.comm.mix1.take_late()}
         if at:
             fields["ft/slowest_round"] = min(at)
@@ -117,10 +163,12 @@ class ElasticRuntime(Runtime):
         world = self.world
         world.round = round_idx
         self.oplog.note_round_end()
-        world.store.set(keys.at(world.rank), str(round_idx))
-        reason = world.broken()
+        world.guarded(lambda: world.store.set(keys.at(world.rank), str(round_idx)), None)
+        reason = world.guarded(world.broken, None)
         if reason is not None:
             self.oplog.recover(reason)
+        if world.store_lost:  # nobody can join now; the next round end stops (end_round)
+            return
         self._wait_for_quorum()
         self.admission.at_round_end(round_idx, state_fn)
 

@@ -6,6 +6,12 @@ the rendezvous (comm/rendezvous.py): `rendezvous` takes part in rounds until thi
 one whose group forms; a worker the others went on without exits with EVICTED_EXIT and is
 restarted by the launcher. Marking an epoch broken (`report`) is how any part says the members
 must re-form; the op log (oplog.py) does the re-forming.
+
+Across machines the store is reached through the machine's tunnel (train/agent.py), which holds
+requests while the coordinator is away and, past fault_tolerance.coordinator_wait_s, closes
+them: the store is then lost for good. `guarded` is how the parts that run inside a round (the
+op log's checks, the round end, the logging scalars) see that: they go on without the store, on
+gloo alone, and the round end stops the worker once every member has lost it (runtime.py).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
@@ -24,7 +30,9 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from frugaltrain.comm.ft import heartbeat, keys
 from frugaltrain.comm.rendezvous import Membership, Round
 
+T = TypeVar("T")
 EVICTED_EXIT = 75  # exit code of a worker the others declared dead; the launcher restarts it
+STOPPED_EXIT = 76  # exit code of a worker that checkpointed its round and stopped: store lost
 
 
 class Options(Protocol):
@@ -43,6 +51,8 @@ class Identity:
     rank: the worker's fixed rank (its data shard and its name in logs; with shards, its
         replica). world_size: configured number of workers. incarnation: how many times the
         launcher has started it. namespace: store prefix of this world's keys (keys.namespace).
+        held_store: the store is reached through a machine's tunnel that may give up on it
+        (the run spans machines); a lost store is then survived to the round end.
     """
 
     host: str
@@ -51,6 +61,11 @@ class Identity:
     world_size: int
     incarnation: int = 1
     namespace: str = ""
+    held_store: bool = False
+
+
+class StoreLost(RuntimeError):
+    """The run's store is gone for good, and what was asked cannot be done without it."""
 
 
 def short_error(e: Exception) -> str:
@@ -79,6 +94,7 @@ class World:
         # Workers leave with os._exit, so these are never torn down.
         self._retired: list = []
         self.round = 0  # the last finished round
+        self.store_lost = False  # `guarded`: the store is gone for good
         self.events: list[dict] = []  # membership records for worker 0's log
         # Records made elsewhere before a membership record (the comm's rejections): moved in
         # ahead of it, so the log keeps the order things happened in.
@@ -104,6 +120,30 @@ class World:
         keys.count_start(self.store, self.world_size)
         self.store.wait([keys.ALL_STARTED])
         self.rendezvous("start")
+
+    # ---- the store lost for good (across machines)
+    def guarded(self, call: Callable[[], T], default: T) -> T:
+        """`call()`, or `default` once the store is lost. With a held store (Identity), a
+        connection error marks it lost: its machine's tunnel gave up on the coordinator. In a
+        run on one machine a store error propagates as it always did."""
+        if self.store_lost:
+            return default
+        try:
+            return call()
+        except dist.DistNetworkError as e:
+            if not self.me.held_store:
+                raise
+            self.lose_store(short_error(e))
+            return default
+
+    def lose_store(self, why: str) -> None:
+        if not self.store_lost:
+            self.store_lost = True
+            print(
+                f"[worker {self.rank} round {self.round}] the run's store is gone ({why}): "
+                "going on without it to the round end",
+                flush=True,
+            )
 
     # ---- the epoch's state in the store
     def has(self, key: str) -> bool:
