@@ -391,6 +391,10 @@ class StoreServer:
     def close(self) -> None:
         """Stop listening, end every client's connection, and close the journal."""
         if self._listener is not None:
+            try:  # wakes the accept thread: a closed socket alone would accept once more
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
         with self._lock:
             for c in self._clients:
