@@ -225,3 +225,154 @@ def test_a_corrupt_journal_is_an_error_naming_it(tmp_path, damage):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=str(path)):
         StoreServer(journal=path)
+
+
+# ---- tagged mutations: a relay's replay is applied once, across a restart from the journal
+TAGGED = 0x60
+RELAY = bytes(range(16))  # a relay's id
+HELLO = bytes([Query.VALIDATE]) + struct.pack("<I", MAGIC)
+
+
+def _blob(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+def _tag(seq: int, q: Query, *args: bytes) -> bytes:
+    """Query `q` with its arguments, tagged as RELAY's mutation `seq`."""
+    return bytes([TAGGED]) + RELAY + struct.pack("<QB", seq, q) + b"".join(args)
+
+
+def _ask(port: int, data: bytes, n: int) -> bytes:
+    """Open a connection, send `data`, read `n` bytes of replies (fewer if it is closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(HELLO + data)
+        with s.makefile("rb") as f:
+            return f.read(n)
+
+
+PING = bytes([Query.PING]) + b"ping"  # its echo: every query before it was handled
+
+
+@pytest.mark.parametrize(
+    ("query", "reply", "other", "key", "after"),
+    [  # the tagged query and its reply; another client's write before the replay; the result
+        pytest.param(
+            _tag(1, Query.ADD, _blob(b"/n"), struct.pack("<q", 5)),
+            struct.pack("<q", 6),
+            lambda c: c.add("n", 10),
+            "n",
+            b"16",
+            id="add",
+        ),
+        pytest.param(
+            _tag(1, Query.APPEND, _blob(b"/a"), _blob(b"2")) + PING,
+            b"ping",
+            lambda c: c.append("a", "3"),
+            "a",
+            b"123",
+            id="append",
+        ),
+        pytest.param(
+            _tag(1, Query.DELETE_KEY, _blob(b"/d")),
+            struct.pack("<q", 1),
+            lambda c: c.set("d", "y"),
+            "d",
+            b"y",
+            id="delete_key",
+        ),
+        pytest.param(
+            _tag(1, Query.COMPARE_SET, _blob(b"/a"), _blob(b"1"), _blob(b"c")),
+            _blob(b"c"),
+            lambda c: c.set("a", "z"),
+            "a",
+            b"z",
+            id="compare_set",
+        ),
+        pytest.param(
+            _tag(1, Query.SET, _blob(b"/a"), _blob(b"s")) + PING,
+            b"ping",
+            lambda c: c.set("a", "z"),
+            "a",
+            b"z",
+            id="set",
+        ),
+    ],
+)
+def test_a_tagged_mutation_replayed_after_a_restart_is_applied_once(
+    tmp_path, query, reply, other, key, after
+):
+    """Its reply lost with the coordinator, the relay sends the same bytes to the store brought
+    back from the journal: not applied again, answered as the first time, and another client's
+    write made in between stays."""
+    path = tmp_path / "store.journal"
+    first = StoreServer(journal=path).listen()
+    for k, v in (("a", "1"), ("d", "x"), ("n", "1")):
+        first.set(k, v)
+    assert _ask(first.port, query, len(reply)) == reply
+    first.close()
+    second = StoreServer(journal=path).listen()
+    c = _client(second.port)
+    other(c)
+    assert _ask(second.port, query, len(reply)) == reply
+    assert c.get(key) == after
+    assert c.num_keys() == 3  # a, d, n: the tag table is not a key
+    second.close()
+
+
+def test_a_replay_whose_reply_is_not_kept_is_refused(server):
+    """Only the relay's last query with a reply can be replayed wanting one (torch's client waits
+    for each reply): an older one closes its connection, and the store goes on."""
+    add = [_tag(seq, Query.ADD, _blob(b"/n"), struct.pack("<q", 1)) for seq in (1, 2)]
+    set_ = _tag(3, Query.SET, _blob(b"/s"), _blob(b"v"))
+    assert (
+        _ask(server.port, add[0] + add[1] + set_ + PING, 20) == struct.pack("<qq", 1, 2) + b"ping"
+    )
+    assert _ask(server.port, add[1] + set_ + PING, 12) == struct.pack("<q", 2) + b"ping"
+    assert _ask(server.port, add[0], 8) == b""
+    assert server.dropped == ["a replayed query (seq 1) whose reply is not kept"]
+    c = _client(server.port)
+    assert c.get("n") == b"2" and c.add("n", 1) == 3
+
+
+def test_the_tag_table_survives_compaction_and_a_restart(tmp_path):
+    path = tmp_path / "store.journal"
+    server = StoreServer(journal=path).listen()
+    add = _tag(1, Query.ADD, _blob(b"/n"), struct.pack("<q", 7))
+    assert _ask(server.port, add, 8) == struct.pack("<q", 7)
+    for _ in range(10_010):  # compacted once: the tag table is in the snapshot
+        server.add("beat", 1)
+    server.close()
+    assert path.stat().st_size < 2000  # a snapshot and a few records since
+    again = StoreServer(journal=path).listen()
+    assert _ask(again.port, add, 8) == struct.pack("<q", 7)  # not applied again
+    assert again.get("n") == b"7" and _client(again.port).num_keys() == 2
+    again.close()
+
+
+def test_a_torn_tagged_record_loses_the_change_and_its_tag_together(tmp_path):
+    path = tmp_path / "store.journal"
+    server = StoreServer(journal=path).listen()
+    server.set("kept", "1")
+    add = _tag(1, Query.ADD, _blob(b"/n"), struct.pack("<q", 7))
+    assert _ask(server.port, add, 8) == struct.pack("<q", 7)
+    server.close()
+    path.write_bytes(path.read_bytes()[:-3])  # killed in the middle of the ADD's write
+    again = StoreServer(lambda line: None, journal=path).listen()
+    assert again._data == {b"/kept": b"1"} and again._tags == {}
+    assert _ask(again.port, add, 8) == struct.pack("<q", 7)  # so the replay applies it
+    again.close()
+
+
+def test_a_version_1_journal_still_loads(tmp_path):
+    path = tmp_path / "store.journal"
+    server = StoreServer(journal=path)
+    server.set("a", "1")
+    server.add("n", 2)
+    server.close()
+    data = path.read_bytes()  # no tagged query: the records are those version 1 wrote
+    assert data.startswith(JOURNAL_HEADER) and JOURNAL_HEADER.endswith(b"version 2\n")
+    path.write_bytes(b"frugaltrain store journal, version 1\n" + data[len(JOURNAL_HEADER) :])
+    again = StoreServer(journal=path)
+    assert again._data == {b"/a": b"1", b"/n": b"2"} and again._tags == {}
+    again.close()
+    assert path.read_bytes().startswith(JOURNAL_HEADER)  # rewritten as version 2

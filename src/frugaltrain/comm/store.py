@@ -14,6 +14,10 @@ protocol outside its C++ core, hence one written here. The protocol, as the clie
     waiting     the client waits for keys itself (`get` waits first, then reads), so `WAIT`'s
                 reply comes when the last of its keys is written, from the writer's thread;
                 `CANCEL_WAIT` (the client timed out) is answered after any reply already due.
+    tagged      `TAGGED` (0x60, not a query byte of torch's), a relay's 16-byte id, a uint64
+                seq, then a mutation (SET, APPEND, MULTI_SET, COMPARE_SET, ADD, DELETE_KEY)
+                whole, as torch's client sends it. Only gateway.py's relay sends it (torch's
+                clients never do, and are served as before).
 
 The same limits as torch's own server: keys up to 8 KiB, values up to 8 MiB, 128 Ki keys per
 query; a connection that breaks them or sends an unknown query is closed, the store stays up.
@@ -21,20 +25,37 @@ Queues, `LIST_KEYS` and `BARRIER` are not served: nothing in frugaltrain uses th
 is sent under the store's one lock, so replies keep their order; a client that stops reading is
 dropped after SEND_TIMEOUT_S instead of holding the store.
 
+Tagged mutations are applied once, however often a relay replays them (it numbers each of its
+mutations, and replays what it has no proof of after a coordinator restart). The store keeps,
+per relay id, the last seq it applied and the last applied tagged query that has a reply (its
+seq and that reply), in a tag table outside the keys torch's clients see. A tagged query whose
+seq is at most the last applied one is not applied again: a SET, APPEND or MULTI_SET is dropped,
+and one with a reply is answered with the kept reply. That is enough because torch's client
+waits for each reply before it sends its next query, so a replayed query that needs a reply is
+the relay's last one with a reply; any other (its reply is not kept) closes the connection, as
+a broken protocol. Seqs only grow, so a replay cannot undo another client's later write either.
+
 The journal (`StoreServer(journal=path)`), so that a coordinator restarted with `--resume` finds
 the store as it was: on start the file is loaded, then rewritten as a snapshot of the contents
-(a tmp file renamed over it). Every applied mutation is appended as one record, under the store's
-lock and before any reply (or any waiter's wake-up) is sent: SET, APPEND, each pair of MULTI_SET,
-an ADD, a COMPARE_SET that set the key, a DELETE_KEY that removed one; the in-process calls too.
-A record is an op byte (S set, A append, D delete), the key's and the value's lengths and a
-CRC-32 of those, the key, the value, and a CRC-32 of the record; the file opens with a header
-line naming its version. The file is
-compacted again once it holds 4x the last snapshot's records plus 10000 (heartbeat ADDs come
-several times a second per worker). Each record is flushed to the kernel, not fsynced: a killed
-coordinator loses nothing it wrote (the kernel has it; a torn last record is ignored on load),
-while a machine that crashes may lose the page cache's last seconds. The store is rebuilt by
-the run's processes anyway (heartbeats, rendezvous), and an fsync per heartbeat ADD would cost
-more than that loss. `clear()` empties the store and the journal.
+(a tmp file renamed over it). Every applied mutation is journaled, under the store's lock and
+before any reply (or any waiter's wake-up) is sent, each query's records in one write: SET,
+APPEND, each pair of MULTI_SET, an ADD, a COMPARE_SET that set the key, a DELETE_KEY that removed
+one; the in-process calls too. A record is an op byte (S set, A append, D delete, T tagged), the
+key's and the value's lengths and a CRC-32 of those, the key, the value, and a CRC-32 of the
+record. A tagged query is one T record, whether it changed a key or not: its key the relay's id,
+its value the relay's entry of the tag table (seq, reply seq, the reply's length, the reply)
+followed by the records of what the query changed. One record under one CRC: a killed
+coordinator keeps the change and its tag together, or neither (a torn record is ignored). The
+file opens with a header line naming its version (2; a version-1 file, without T records, loads
+too). A snapshot writes every key as an S record, then each relay's entry as a T record with no
+change in it. The file is compacted again once it holds 4x the last snapshot's records plus
+10000 (heartbeat ADDs come several times a second per worker). Each write is flushed to the
+kernel, not fsynced: a killed coordinator loses nothing it wrote (the kernel has it; a torn last
+record is ignored on load), while a machine that crashes may lose the page cache's last seconds.
+The store is rebuilt by the run's processes anyway (heartbeats, rendezvous), and an fsync per
+heartbeat ADD would cost more than that loss. `clear()` empties the store, its tag table and
+the journal. The tag table keeps one entry per relay that ever sent a mutation (a few dozen
+bytes and its last reply) and is not pruned: a relay gone cannot be told from one held away.
 
 In process, `StoreServer` has the calls of torch's `Store` that the coordinator needs (`get`,
 `set`, `check`, `compare_set`, `add`), and `PrefixView` is torch's `PrefixStore` for any object
@@ -51,7 +72,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, NamedTuple, Protocol
 
 MAGIC = 0x3C85F7CE
 MAX_KEY = 8 * 1024
@@ -178,6 +199,24 @@ def read_args(r: Reader, q: int) -> tuple:
 
 
 NO_REPLY = (Query.SET, Query.APPEND, Query.MULTI_SET)
+MUTATIONS = (*NO_REPLY, Query.COMPARE_SET, Query.ADD, Query.DELETE_KEY)
+TAGGED = 0x60  # not one of torch's query bytes: a relay's mutation, applied once (module doc)
+RELAY_ID = 16  # bytes of a relay's id
+_TAG = struct.Struct(f"<{RELAY_ID}sQB")  # after TAGGED: the relay's id, seq, the inner query
+
+
+def tagged(relay: bytes, seq: int, query: bytes) -> bytes:
+    """`query` (a mutation, whole, as torch's client sent it) tagged as relay `relay`'s `seq`."""
+    return bytes([TAGGED]) + _TAG.pack(relay, seq, query[0]) + query[1:]
+
+
+def read_tag(r: Reader) -> tuple[bytes, int, int]:
+    """After the TAGGED byte: (relay id, seq, inner query); ProtocolError if that query is not a
+    mutation."""
+    relay, seq, q = _TAG.unpack(r.read(_TAG.size))
+    if q not in MUTATIONS:
+        raise ProtocolError(f"a tagged query {q}, not a mutation")
+    return relay, seq, q
 
 
 def read_reply(r: Reader, q: int, n_keys: int) -> bytes:
@@ -203,11 +242,22 @@ class _Client(Reader):
         self.waiting: set[bytes] = set()
 
 
-JOURNAL_HEADER = b"frugaltrain store journal, version 1\n"
-_SET, _APPEND, _DELETE = b"S", b"A", b"D"
-_OPS = (_SET, _APPEND, _DELETE)
+JOURNAL_HEADER = b"frugaltrain store journal, version 2\n"
+_HEADERS = (JOURNAL_HEADER, b"frugaltrain store journal, version 1\n")  # 1: no T records
+_SET, _APPEND, _DELETE, _TAGGED = b"S", b"A", b"D", b"T"
+_OPS = (_SET, _APPEND, _DELETE, _TAGGED)
 _HEAD = struct.Struct("<cQQI")  # op, key length, value length, CRC-32 of those
 _CRC = struct.Struct("<I")
+_TAG_HEAD = struct.Struct("<QQQ")  # a T record's value: seq, reply seq, reply length
+
+
+class Tag(NamedTuple):
+    """What the store keeps of one relay: its last applied seq, and the last applied tagged query
+    that has a reply (its seq and that reply; 0 and b"" before one)."""
+
+    seq: int
+    reply_seq: int = 0
+    reply: bytes = b""
 
 
 def _record(op: bytes, key: bytes, value: bytes = b"") -> bytes:
@@ -217,6 +267,13 @@ def _record(op: bytes, key: bytes, value: bytes = b"") -> bytes:
     lengths = struct.pack("<cQQ", op, len(key), len(value))
     body = lengths + _CRC.pack(zlib.crc32(lengths)) + key + value
     return body + _CRC.pack(zlib.crc32(body))
+
+
+def _tag_record(relay: bytes, tag: Tag, records: bytes = b"") -> bytes:
+    """A T record: the relay's id as its key; its Tag, then `records` (what the tagged query
+    changed, whole records) as its value. One record, so kept or torn as a whole."""
+    value = _TAG_HEAD.pack(tag.seq, tag.reply_seq, len(tag.reply)) + tag.reply + records
+    return _record(_TAGGED, relay, value)
 
 
 def _parse(data: bytes, pos: int) -> tuple[bytes, bytes, bytes, int] | None:
@@ -245,9 +302,29 @@ def _replay(data: dict[bytes, bytes], op: bytes, key: bytes, value: bytes) -> No
         data.pop(key, None)
 
 
+def _replay_tagged(data: dict[bytes, bytes], value: bytes, at: int) -> Tag:
+    """Apply the records inside a T record's value; its Tag. ValueError if they do not parse
+    whole (the T record's own CRC held, so they are corrupt, not torn)."""
+    bad = ValueError(f"corrupt tagged record at byte {at}")
+    if len(value) < _TAG_HEAD.size:
+        raise bad
+    seq, reply_seq, n_reply = _TAG_HEAD.unpack_from(value)
+    pos = _TAG_HEAD.size + n_reply
+    if pos > len(value):
+        raise bad
+    tag = Tag(seq, reply_seq, value[_TAG_HEAD.size : pos])
+    while pos < len(value):
+        rec = _parse(value, pos)
+        if rec is None or rec[0] == _TAGGED:
+            raise bad
+        op, key, inner, pos = rec
+        _replay(data, op, key, inner)
+    return tag
+
+
 class Journal:
-    """The store's contents in a file: a snapshot, then each mutation since, appended. The
-    caller holds the store's lock around every call."""
+    """The store's contents and tag table in a file: a snapshot, then each mutation since,
+    appended. The caller holds the store's lock around every call."""
 
     def __init__(self, path: Path, log: Callable[[str], None]) -> None:
         self.path, self.log = Path(path), log
@@ -255,52 +332,63 @@ class Journal:
         self._records = 0  # in the file now
         self._snapshot = 0  # in the last snapshot
 
-    def load(self) -> dict[bytes, bytes]:
-        """The contents the file holds ({} if there is none). A torn last record (a killed
-        process) is ignored with a log line; other corruption is a ValueError naming the file."""
+    def load(self) -> tuple[dict[bytes, bytes], dict[bytes, Tag]]:
+        """The contents and the tag table the file holds (empty if there is none). A torn last
+        record (a killed process) is ignored with a log line; other corruption is a ValueError
+        naming the file. A version-1 file (no tag table) loads too."""
         if not self.path.exists():
-            return {}
-        data, out = self.path.read_bytes(), {}
-        if not data.startswith(JOURNAL_HEADER):
-            raise ValueError(f"{self.path}: not a frugaltrain store journal of this version")
-        pos = len(JOURNAL_HEADER)
+            return {}, {}
+        data, out, tags = self.path.read_bytes(), {}, {}
+        if not data.startswith(_HEADERS):
+            raise ValueError(f"{self.path}: not a frugaltrain store journal of a known version")
+        pos = len(JOURNAL_HEADER)  # every version's header has its length
         while pos < len(data):
             try:
                 rec = _parse(data, pos)
+                if rec is None:
+                    self.log(
+                        f"store: ignored a torn last record in {self.path} "
+                        f"({len(data) - pos} bytes)"
+                    )
+                    break
+                op, key, value, end = rec
+                if op == _TAGGED:
+                    tags[key] = _replay_tagged(out, value, pos)
+                else:
+                    _replay(out, op, key, value)
+                pos = end
             except ValueError as e:
                 raise ValueError(f"{self.path}: {e}") from None
-            if rec is None:
-                self.log(
-                    f"store: ignored a torn last record in {self.path} ({len(data) - pos} bytes)"
-                )
-                break
-            op, key, value, pos = rec
-            _replay(out, op, key, value)
-        return out
+        return out, tags
 
-    def compact(self, contents: dict[bytes, bytes]) -> None:
-        """Rewrite the file as one snapshot of `contents` (a tmp file renamed over it: a crash
-        leaves the old file or the new one), then append to it."""
+    def compact(self, contents: dict[bytes, bytes], tags: dict[bytes, Tag]) -> None:
+        """Rewrite the file as one snapshot of `contents` and `tags` (a tmp file renamed over
+        it: a crash leaves the old file or the new one), then append to it."""
         self.close()
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.write(JOURNAL_HEADER)
             for key, value in contents.items():
                 f.write(_record(_SET, key, value))
+            for relay, tag in tags.items():
+                f.write(_tag_record(relay, tag))
         os.replace(tmp, self.path)
         self._file = open(self.path, "ab")  # noqa: SIM115 (open until close())
-        self._records = self._snapshot = len(contents)
+        self._records = self._snapshot = len(contents) + len(tags)
 
-    def append(self, record: bytes, contents: dict[bytes, bytes]) -> None:
-        """Write one record through to the kernel (flushed, not fsynced); compact once the file
-        holds 4x the last snapshot's records plus 10000 (heartbeat ADDs keep coming)."""
+    def append(
+        self, records: bytes, n: int, contents: dict[bytes, bytes], tags: dict[bytes, Tag]
+    ) -> None:
+        """Write `n` records in one write, through to the kernel (flushed, not fsynced); compact
+        once the file holds 4x the last snapshot's records plus 10000 (heartbeat ADDs keep
+        coming)."""
         if self._file is None:
             return  # closed: the server is going away, its late writes with it
-        self._file.write(record)
+        self._file.write(records)
         self._file.flush()
-        self._records += 1
+        self._records += n
         if self._records > 4 * self._snapshot + 10_000:
-            self.compact(contents)
+            self.compact(contents, tags)
 
     def close(self) -> None:
         if self._file is not None:
@@ -317,6 +405,9 @@ class StoreServer:
     ) -> None:
         self.log = log  # told why each broken connection was closed
         self._data: dict[bytes, bytes] = {}
+        self._tags: dict[bytes, Tag] = {}  # relay id -> what it has applied (module docstring)
+        self._changes: list[bytes] = []  # the journal records of the query being answered
+        self._written: set[bytes] = set()  # and the keys it wrote (their waiters to wake)
         self._clients: set[_Client] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -325,24 +416,23 @@ class StoreServer:
         self._journal: Journal | None = None
         if journal is not None:
             self._journal = Journal(journal, log or print)
-            self._data = self._journal.load()
-            self._journal.compact(self._data)
-        self._answers = {
+            self._data, self._tags = self._journal.load()
+            self._journal.compact(self._data, self._tags)
+        # each query's answer: its reply, or None (none, or not yet: WAIT)
+        self._answers: dict[int, Callable[..., bytes | None]] = {
             Query.SET: self._set,
             Query.APPEND: self._append,
-            Query.COMPARE_SET: lambda c, k, e, d: self._reply(
-                c, _value(self._compare_set(k, e, d))
-            ),
-            Query.GET: lambda c, k: self._reply(c, _value(self._data.get(k, b""))),
-            Query.ADD: lambda c, k, delta: self._reply(c, struct.pack("<q", self._add(k, delta))),
+            Query.COMPARE_SET: lambda c, k, e, d: _value(self._compare_set(k, e, d)),
+            Query.GET: lambda c, k: _value(self._data.get(k, b"")),
+            Query.ADD: lambda c, k, delta: struct.pack("<q", self._add(k, delta)),
             Query.CHECK: self._check,
             Query.WAIT: self._wait,
             Query.MULTI_GET: self._multi_get,
             Query.MULTI_SET: self._multi_set,
-            Query.GETNUMKEYS: lambda c: self._reply(c, struct.pack("<q", len(self._data))),
-            Query.DELETE_KEY: lambda c, k: self._reply(c, struct.pack("<q", int(self._delete(k)))),
+            Query.GETNUMKEYS: lambda c: struct.pack("<q", len(self._data)),
+            Query.DELETE_KEY: lambda c, k: struct.pack("<q", int(self._delete(k))),
             Query.CANCEL_WAIT: self._cancel_wait,
-            Query.PING: self._reply,
+            Query.PING: lambda c, nonce: nonce,
         }
 
     # ---- the network side
@@ -373,9 +463,15 @@ class StoreServer:
             client.opening()
             while True:
                 q = client.read(1)[0]
+                tag = None
+                if q == TAGGED:  # a relay's mutation: (its id, seq), then the query itself
+                    relay, seq, q = read_tag(client)
+                    tag = relay, seq
                 args = read_args(client, q)  # outside the lock: a slow client holds nobody
                 with self._lock:
-                    self._answers[q](client, *args)
+                    reply = self._answer(client, q, args, tag)
+                    if reply is not None:
+                        self._reply(client, reply)
         except EOFError:
             pass  # the client left
         except (ProtocolError, OSError) as e:
@@ -406,13 +502,61 @@ class StoreServer:
                 self._journal.close()
 
     def clear(self) -> None:
-        """Empty the store and its journal (a resume that goes on from checkpoints instead)."""
+        """Empty the store, its tag table and its journal (a resume that goes on from
+        checkpoints instead: every relay gave up before)."""
         with self._lock:
-            self._data = {}
+            self._data, self._tags = {}, {}
             if self._journal is not None:
-                self._journal.compact(self._data)
+                self._journal.compact(self._data, self._tags)
 
     # ---- each query's answer, under the lock
+    def _answer(
+        self, c: _Client, q: int, args: tuple, tag: tuple[bytes, int] | None
+    ) -> bytes | None:
+        """Query `q`'s reply, once its changes are journaled and their waiters woken; `tag`:
+        (relay id, seq) of a tagged query."""
+        if tag is not None:
+            return self._tagged(c, *tag, q, args)
+        try:
+            return self._answers[q](c, *args)
+        finally:
+            self._commit()
+
+    def _tagged(self, c: _Client, relay: bytes, seq: int, q: int, args: tuple) -> bytes | None:
+        """Relay `relay`'s mutation `seq`: applied if it is new, else answered as it was."""
+        last = self._tags.get(relay, Tag(0))
+        if seq <= last.seq:  # a replay of what this store (or the one before it) applied
+            if q in NO_REPLY:
+                return None
+            if seq != last.reply_seq:
+                raise ProtocolError(f"a replayed query (seq {seq}) whose reply is not kept")
+            return last.reply
+        applied = None
+        try:
+            reply = self._answers[q](c, *args)
+            self._tags[relay] = (
+                Tag(seq, last.reply_seq, last.reply) if reply is None else Tag(seq, seq, reply)
+            )
+            applied = relay
+        finally:
+            self._commit(applied)  # not tagged if it failed (a ProtocolError: nothing changed)
+        return reply
+
+    def _commit(self, relay: bytes | None = None) -> None:
+        """Journal the answered query's changes in one write (inside the T record of `relay`'s
+        tag when it was tagged: one record, kept or lost whole), then wake their waiters."""
+        changes, written = self._changes, self._written
+        self._changes, self._written = [], set()
+        if self._journal is not None and (changes or relay is not None):
+            if relay is not None:
+                changes = [_tag_record(relay, self._tags[relay], b"".join(changes))]
+            self._journal.append(b"".join(changes), len(changes), self._data, self._tags)
+        for c in self._clients if written else ():
+            if c.waiting & written:
+                c.waiting -= written
+                if not c.waiting:
+                    self._reply(c, STOP_WAITING)
+
     def _set(self, c: _Client, key: bytes, value: bytes) -> None:
         self._write(key, value)
 
@@ -423,22 +567,22 @@ class StoreServer:
         for key, value in pairs:
             self._write(key, value)
 
-    def _check(self, c: _Client, keys: list[bytes]) -> None:
-        self._reply(c, READY if all(k in self._data for k in keys) else NOT_READY)
+    def _check(self, c: _Client, keys: list[bytes]) -> bytes:
+        return READY if all(k in self._data for k in keys) else NOT_READY
 
-    def _multi_get(self, c: _Client, keys: list[bytes]) -> None:
-        self._reply(c, b"".join(_value(self._data.get(k, b"")) for k in keys))
+    def _multi_get(self, c: _Client, keys: list[bytes]) -> bytes:
+        return b"".join(_value(self._data.get(k, b"")) for k in keys)
 
-    def _wait(self, c: _Client, keys: list[bytes]) -> None:
+    def _wait(self, c: _Client, keys: list[bytes]) -> bytes | None:
         missing = {k for k in keys if k not in self._data}
         if missing:
             c.waiting = missing  # answered by the write of the last one
-        else:
-            self._reply(c, STOP_WAITING)
+            return None
+        return STOP_WAITING
 
-    def _cancel_wait(self, c: _Client) -> None:
+    def _cancel_wait(self, c: _Client) -> bytes:
         c.waiting = set()
-        self._reply(c, WAIT_CANCELED)
+        return WAIT_CANCELED
 
     def _reply(self, c: _Client, data: bytes) -> None:
         """Send under the lock (replies keep their order); a client that does not read within
@@ -452,25 +596,21 @@ class StoreServer:
             except OSError:
                 pass
 
-    # ---- the data, under the lock; each change is journaled before anyone is answered
+    # ---- the data, under the lock; each change is kept for _commit, which journals it before
+    # anyone is answered
     def _write(self, key: bytes, value: bytes, appended: bytes | None = None) -> None:
         self._data[key] = value
         if self._journal is not None:
-            record = (
+            self._changes.append(
                 _record(_SET, key, value) if appended is None else _record(_APPEND, key, appended)
             )
-            self._journal.append(record, self._data)
-        for c in self._clients:
-            if key in c.waiting:
-                c.waiting.discard(key)
-                if not c.waiting:
-                    self._reply(c, STOP_WAITING)
+        self._written.add(key)
 
     def _delete(self, key: bytes) -> bool:
         if self._data.pop(key, None) is None:
             return False
         if self._journal is not None:
-            self._journal.append(_record(_DELETE, key), self._data)
+            self._changes.append(_record(_DELETE, key))
         return True
 
     def _compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -501,6 +641,7 @@ class StoreServer:
     def set(self, key: str, value: str | bytes) -> None:
         with self._lock:
             self._write(_key(key), _bytes(value))
+            self._commit()
 
     def check(self, keys: list[str]) -> bool:
         with self._lock:
@@ -508,11 +649,17 @@ class StoreServer:
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         with self._lock:
-            return self._compare_set(_key(key), _bytes(expected), _bytes(desired))
+            try:
+                return self._compare_set(_key(key), _bytes(expected), _bytes(desired))
+            finally:
+                self._commit()
 
     def add(self, key: str, amount: int) -> int:
         with self._lock:
-            return self._add(_key(key), amount)
+            try:
+                return self._add(_key(key), amount)
+            finally:
+                self._commit()
 
 
 class PrefixView:
