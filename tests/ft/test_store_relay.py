@@ -5,8 +5,10 @@ restart, and past hold_s the client gets an error, as it does at once without a 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -25,12 +27,42 @@ def _no_control(request: dict, channel: Channel) -> None:
     raise AssertionError(f"only store connections expected, got {request}")
 
 
-class _Coordinator:
-    """What the coordinator hosts: a store with a journal behind a gateway."""
+class _LosesAReply(StoreServer):
+    """Once `armed`, the next reply is not sent: the store has applied and journaled its query,
+    then goes away as a coordinator killed before the reply left (its port closes, every
+    connection ends), and says so through `gone`."""
 
-    def __init__(self, journal: Path, port: int = 0) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.gone = threading.Event()
+
+    def _reply(self, c, data: bytes) -> None:
+        if not self.armed:
+            return super()._reply(c, data)
+        self.armed = False
+        self._listener.shutdown(socket.SHUT_RDWR)  # closed alone, it would accept once more
+        self._listener.close()
+        for client in self._clients:
+            client.sock.shutdown(socket.SHUT_RDWR)
+        self.gone.set()
+
+
+class _Coordinator:
+    """What the coordinator hosts: a store with a journal behind a gateway; `before(store)` runs
+    before the gateway opens."""
+
+    def __init__(
+        self,
+        journal: Path,
+        port: int = 0,
+        store: type[StoreServer] = StoreServer,
+        before: Callable[[StoreServer], None] | None = None,
+    ) -> None:
         self.lines: list[str] = []
-        self.store = StoreServer(self.lines.append, journal=journal).listen()
+        self.store = store(self.lines.append, journal=journal).listen()
+        if before is not None:
+            before(self.store)
         store_addr = ("127.0.0.1", self.store.port)
         self.gateway = Gateway("127.0.0.1", port, TOKEN, store_addr, _no_control, self.lines.append)
         self.port = self.gateway.start().port
@@ -66,8 +98,16 @@ def _tunnel(run: list[_Coordinator], hold_s: float, lines: list[str]) -> StoreTu
     return StoreTunnel("127.0.0.1", run[0].port, TOKEN, log=lines.append, hold_s=hold_s).start()
 
 
-def _restart(run: list[_Coordinator], tmp_path: Path) -> None:
-    run.append(_Coordinator(tmp_path / "store.journal", run[0].port))
+@pytest.fixture
+def lossy(tmp_path):
+    """As `run`, its first store a _LosesAReply."""
+    started = [_Coordinator(tmp_path / "store.journal", store=_LosesAReply)]
+    yield started
+    started[-1].kill()
+
+
+def _restart(run: list[_Coordinator], tmp_path: Path, before=None) -> None:
+    run.append(_Coordinator(tmp_path / "store.journal", run[0].port, before=before))
 
 
 def _session(store: dist.Store) -> list:
@@ -178,3 +218,63 @@ def test_the_client_errors_once_the_tunnel_stops_holding(run, hold_s, said):
         assert any(said in line for line in lines), lines
     else:
         assert not any("holding" in line for line in lines), lines
+
+
+def _lose_a_reply(run: list[_Coordinator], tmp_path: Path, call, before=None):
+    """`call()` on a pool thread while the store loses its next reply and is restarted from its
+    journal (`before(store)` first): what `call` returns."""
+    lossy = run[-1].store
+    lossy.armed = True
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(call)
+        assert lossy.gone.wait(10)
+        run[-1].kill()
+        _restart(run, tmp_path, before)
+        return done.result(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("call", "reply", "key", "after"),
+    [  # the call whose reply is lost (applied, journaled); what it returns; the key after (None:
+        # gone)
+        (lambda c: c.add("n", 2), 3, "n", b"3"),
+        (lambda c: (c.append("a", "x"), c.get("a"))[1], b"1x", "a", b"1x"),  # the get's reply
+        (lambda c: c.delete_key("d"), True, "d", None),
+    ],
+    ids=["add", "append", "delete_key"],
+)
+def test_a_mutation_whose_reply_was_lost_is_applied_once(lossy, tmp_path, call, reply, key, after):
+    tunnel = _tunnel(lossy, hold_s=10, lines=[])
+    try:
+        c = _client(tunnel)
+        c.set("a", "1")
+        c.set("d", "x")
+        assert c.add("n", 1) == 1  # answered: all three applied
+        assert _lose_a_reply(lossy, tmp_path, lambda: call(c)) == reply
+        assert tunnel.held == 0
+    finally:
+        tunnel.close()
+    store = lossy[-1].store
+    assert (store.get(key) if store.check([key]) else None) == after
+
+
+def test_a_replayed_set_does_not_undo_a_later_write(lossy, tmp_path):
+    """c's SET is applied and journaled, but the reply to its next query is lost; another
+    client sets the key on the restarted store before c's relay replays both."""
+
+    def other(store: StoreServer) -> None:
+        direct = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        direct.set("k", "theirs")
+
+    tunnel = _tunnel(lossy, hold_s=10, lines=[])
+    try:
+        c = _client(tunnel)
+
+        def set_then_get():
+            c.set("k", "mine")
+            return c.get("k")
+
+        assert _lose_a_reply(lossy, tmp_path, set_then_get, before=other) == b"theirs"
+    finally:
+        tunnel.close()
+    assert lossy[-1].store.get("k") == b"theirs"

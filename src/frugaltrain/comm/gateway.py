@@ -16,7 +16,7 @@ An authenticated peer's first framed message says what it wants:
 (a TCPStore client) gets its own authenticated connection to the gateway, spliced once
 `{"want": "store"}` is sent. With `hold_s` > 0 it reads the store protocol instead of splicing,
 so that a client's connection outlives a coordinator restart: requests wait while the gateway is
-away and are replayed once it is back (what a replay means for each query: `StoreTunnel`).
+away and are replayed once it is back, each mutation applied once (`StoreTunnel`).
 
 Not protected: spliced store bytes carry no MAC and no encryption, so an attacker on the network
 path could hijack a live connection after its handshake. Run on a private network or WireGuard
@@ -26,6 +26,7 @@ until it authenticates.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -36,13 +37,16 @@ from dataclasses import dataclass
 from frugaltrain.comm.auth import Channel, Refused, connect, server_handshake
 from frugaltrain.comm.store import (
     MAGIC,
+    MUTATIONS,
     NO_REPLY,
+    RELAY_ID,
     WAIT_CANCELED,
     ProtocolError,
     Query,
     Reader,
     read_args,
     read_reply,
+    tagged,
 )
 
 _CHUNK = 1 << 16
@@ -263,15 +267,17 @@ class StoreTunnel(_Server):
     replays, in order, what is unanswered and what the client sent meanwhile; past `hold_s` it
     closes the client's connection (the client errors as it would have without a hold).
 
-    What a replay does, on a coordinator restarted with its store's journal:
-        GET, CHECK, MULTI_GET, WAIT, GETNUMKEYS, PING, SET, MULTI_SET are idempotent. A WAIT
-        is sent again with all its keys: those already written answer at once.
-        COMPARE_SET applied before the break returns, replayed, the value it set, which is what
-        torch's callers compare with: it reads as a success.
-        ADD (and APPEND) whose reply was lost after the old store applied and journaled it is
-        applied twice: there is a window between the journal's write and the reply. One
-        heartbeat counted twice is harmless; a counter that must be exact is not protected.
-        DELETE_KEY replayed after it was applied answers 0 (nothing deleted).
+    What a replay does, on a coordinator restarted with its store's journal: every mutation is
+    applied exactly once. The relay tags each SET, APPEND, MULTI_SET, COMPARE_SET, ADD and
+    DELETE_KEY with its own random id and a growing seq (store.py's `TAGGED`); the store applies
+    a tag's query only if its seq is past the last one it applied for that relay, and journals
+    the relay's last seq and last reply in the same record as the change. So an ADD or APPEND
+    whose reply was lost after the old store applied and journaled it is not applied again: the
+    replay gets the reply the first one had (the same total, the same COMPARE_SET value, the
+    same DELETE_KEY count), and a replayed SET, MULTI_SET or COMPARE_SET cannot undo another
+    client's write made between the original and the replay. Reads (GET, CHECK, MULTI_GET,
+    GETNUMKEYS, PING) are sent again untagged and answer from the store as it is then. A WAIT
+    is sent again with all its keys: those already written answer at once.
 
     `away_since` is time.monotonic() when the gateway was found gone and is not back yet, else
     None; `held` counts the requests waiting for a reply (or, without one, not yet known
@@ -369,8 +375,9 @@ _OWN_PING = bytes([Query.PING]) + b"ftrl"
 
 @dataclass
 class _Request:
-    """One whole request as the client sent it; `own`: the relay's PING (its echo is not
-    passed on); `n_keys`: MULTI_GET's number of keys (of values in its reply)."""
+    """One whole request as the client sent it (a mutation tagged: `raw` is what is sent and
+    replayed, `query` the client's own); `own`: the relay's PING (its echo is not passed on);
+    `n_keys`: MULTI_GET's number of keys (of values in its reply)."""
 
     query: int
     raw: bytes
@@ -390,11 +397,16 @@ class _Relay:
     the break may have come before the store read it. A client that only sets would keep them
     all, so after _CONFIRM_AFTER of them in a row the relay sends a PING of its own, whose echo
     proves them applied. Assumes torch's client: while a WAIT is unanswered it sends nothing
-    but CANCEL_WAIT (the one byte of STOP_WAITING could not be told from another reply).
+    but CANCEL_WAIT (the one byte of STOP_WAITING could not be told from another reply); and
+    it waits for each reply before its next query, so a replayed mutation with a reply is the
+    last one the store kept a reply for (see store.py's TAGGED). Mutations are sent tagged, and
+    kept and replayed so; a TAGGED query from the client itself is refused.
     """
 
     def __init__(self, tunnel: StoreTunnel, local: socket.socket) -> None:
         self.tunnel, self.local = tunnel, local
+        self.id = os.urandom(RELAY_ID)  # the store applies each of its mutations once, by seq
+        self.seq = 0  # of the last mutation read from the client
         self.pending: list[_Request] = []  # in the order sent, until known handled
         self.remote: socket.socket | None = None  # None while away: requests wait in pending
         self._lock = threading.Lock()  # pending and remote
@@ -431,9 +443,13 @@ class _Relay:
         while True:
             r.taken = bytearray()
             q = r.read(1)[0]
-            args = read_args(r, q)
+            args = read_args(r, q)  # a TAGGED query from the client is not served
             n_keys = len(args[0]) if q == Query.MULTI_GET else 0
-            self._submit(_Request(q, bytes(r.taken), n_keys))
+            raw = bytes(r.taken)
+            if q in MUTATIONS:
+                self.seq += 1
+                raw = tagged(self.id, self.seq, raw)
+            self._submit(_Request(q, raw, n_keys))
 
     def _submit(self, req: _Request) -> None:
         """Keep `req` until it is answered; send it now if the gateway is there (else the
