@@ -8,7 +8,8 @@ late joiner. Every link is shaped to --rate-mbit each way; each machine's proces
 --machine-cpu cores and the coordinator's to --coordinator-cpu (netlab/cpu.py), so one machine
 blocking does not speed up another's compute (the defaults, 3 x 0.45 + 0.5, fit two cores; the
 late joiner's share is used only once a machine is gone). The job is a tiny GPT on DiLoCo with
-fault tolerance and a checkpoint every round. Each repetition runs the same config three times.
+fault tolerance and a checkpoint every round. Each repetition runs the same config four times
+(the fourth without periodic checkpoints).
 Events are timed on this script's clock by watching the files the processes write (every
 0.05 s), and rounds by the round records' own clock (`time/wall_s`, kept by worker 0 from its
 start: a round's time is the difference of two records, from the end of one round's inner steps
@@ -35,8 +36,15 @@ to the next's, so it holds the outer step, evaluation and checkpoint before it):
    less what the workers hid of it behind their inner steps. Rounds redone = rounds logged
    twice (none, when no machine went back to a checkpoint); worker processes restarted are
    counted from the agents' "restarting" lines.
+4. coordinator gone. After round --kill-round the coordinator is killed and left away past
+   fault_tolerance.coordinator_wait_s (--wait), in a run with no periodic checkpoints: every
+   worker finishes the round in hand without the store, checkpoints it and stops, and each
+   agent exits naming that round. Measured: the kill to the last agent's exit; rounds lost
+   (the last round slot 0's machine logged less the round every machine checkpointed); then
+   `coordinator --resume` and `join --resume` on every machine: their start to the first round
+   trained after the resume.
 
-Both event runs' final validation loss is given against the clean run's (the runs see the
+The event runs' final validation loss is given against the clean run's (the runs see the
 same data, so the ratio should be near 1). Figures: mean and min-max over --reps.
 
     python benchmarks/machines.py                      # 3 repetitions, a few minutes each
@@ -105,7 +113,7 @@ def mechanism(reason: str) -> str:
 
 
 def run_sets(args: argparse.Namespace) -> list[str]:
-    """Every override of each run (the three runs of a repetition share them)."""
+    """Every override of each run (the first three runs of a repetition share them)."""
     every = max(1, args.rounds // args.evals)  # rounds between evaluations
     sets = [*JOB, f"outer.H={args.H}", f"run.workers={args.machines}", "run.name='c'"]
     return [*sets, f"run.steps={args.H * args.rounds}", f"run.eval_every={args.H * every}"]
@@ -211,9 +219,15 @@ class Cluster:
         args += ["--resume", str(self.coord_dir)] if resume else ["--config", str(self.config)]
         return self._start(0, name, args)
 
-    def join(self, i: int, name: str) -> subprocess.Popen:
+    def join(self, i: int, name: str, resume: str = "") -> subprocess.Popen:
+        """Machine i's agent; `resume`: the name it had, to go on from its run directory."""
         args = ["join", f"{self.lab.addr(0)}:{PORT}", "--token", str(self.token)]
-        return self._start(i, name, [*args, "--run-dir", str(self.root / name)])
+        where = (
+            ["--resume", str(self.root / resume)]
+            if resume
+            else ["--run-dir", str(self.root / name)]
+        )
+        return self._start(i, name, [*args, *where])
 
     def log(self) -> str:
         path = self.coord_dir / "coordinator.log"
@@ -474,6 +488,71 @@ def coordinator_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: di
     }
 
 
+def drive_coordinator_gone(c: Cluster, args: argparse.Namespace) -> dict:
+    """Kill the coordinator after round --kill-round and leave it away until every machine has
+    stopped; then resume everywhere. Returns the times and rounds seen."""
+    M, t = args.machines, args.timeout
+    machines = [f"m{i}" for i in range(1, M + 1)]
+    c.up(M, t)
+    c.wait_round(args.kill_round, t, ["coordinator", *machines])
+    t0 = time.monotonic()
+    c.lab.kill(0)
+    c.procs["coordinator"].wait()
+    codes = [c.procs[n].wait(t) for n in machines]
+    stopped_s = time.monotonic() - t0
+    trained = c.watch.newest_round()
+    saved = [newest_checkpoint(c.output(n)) for n in machines]
+    again = c.coordinator(resume=True, name="coordinator-again")
+    up = lambda: c.log().count("slots; machines join") == 2  # noqa: E731
+    wait_for(up, "the coordinator back", t, [again])
+    t1 = time.monotonic()
+    agents = [c.join(i, f"m{i}-again", resume=f"m{i}") for i in range(1, M + 1)]
+    resumed = lambda: c.watch.newest_round() > trained  # noqa: E731
+    wait_for(resumed, "a round after the resume", t, [again, *agents])
+    resume_s = time.monotonic() - t1
+    c.finish(["coordinator-again", *(f"m{i}-again" for i in range(1, M + 1))], t)
+    return {
+        "exit_codes": codes,
+        "stopped_s": stopped_s,
+        "last_trained": trained,
+        "checkpointed": saved,
+        "rounds_lost": trained - min(saved),
+        "resume_s": resume_s,
+    }
+
+
+def newest_checkpoint(output: str) -> int:
+    """The round an agent's give-up line names as its newest checkpoint (-1: none)."""
+    found = re.findall(r"newest checkpoint: round (\d+)", output)
+    return int(found[-1]) if found else -1
+
+
+def gone_sets(args: argparse.Namespace) -> list[str]:
+    """The coordinator-gone run: no periodic checkpoints, a short wait for the coordinator."""
+    return [
+        *run_sets(args),
+        "run.checkpoint_every=0",
+        f"fault_tolerance.coordinator_wait_s={args.wait:g}",
+    ]
+
+
+def coordinator_gone_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) -> dict:
+    c = Cluster(lab, root, gone_sets(args))
+    try:
+        out = drive_coordinator_gone(c, args)
+    finally:
+        c.close()
+    records = c.records()
+    logged = [r["round"] for r in records if r.get("kind") == "round"]
+    loss = final_loss(records)
+    return {
+        **out,
+        "rounds_logged_twice": len(logged) - len(set(logged)),
+        "loss_val": loss,
+        "loss_ratio": loss / clean["loss_val"],
+    }
+
+
 FIGURES = (  # (key in a repetition, event, what it is, format); all measured but COUNTED
     ("clean.round_s", "clean run", "wall clock per round, s", ".3f"),
     ("clean.loss_val", "clean run", "final validation loss", ".4f"),
@@ -490,12 +569,16 @@ FIGURES = (  # (key in a repetition, event, what it is, format); all measured bu
     ("coordinator_restart.worker_restarts", "coordinator restart", "workers restarted", "d"),
     ("machine_loss_run.loss_ratio", "machine loss + join", "final val loss / clean run's", ".4f"),
     ("coordinator_restart.loss_ratio", "coordinator restart", "final val loss / clean's", ".4f"),
+    ("coordinator_gone.stopped_s", "coordinator gone", "kill to every machine stopped, s", ".1f"),
+    ("coordinator_gone.rounds_lost", "coordinator gone", "rounds trained, not checkpointed", "d"),
+    ("coordinator_gone.resume_s", "coordinator gone", "resume to its first new round, s", ".1f"),
+    ("coordinator_gone.loss_ratio", "coordinator gone", "final val loss / clean's", ".4f"),
 )
 COUNTED = {"join.state_bytes"}
 
 
 def repetition(lab: NetLab, root: Path, args: argparse.Namespace) -> dict:
-    """The three runs of one repetition, each in a fresh directory under `root`."""
+    """The four runs of one repetition, each in a fresh directory under `root`."""
     clean = clean_run(lab, root / "clean", args)
     print(f"  clean: {clean['round_s']:.3f} s/round, loss {clean['loss_val']:.4f}", flush=True)
     machine = machine_run(lab, root / "machine", args, clean)
@@ -514,12 +597,21 @@ def repetition(lab: NetLab, root: Path, args: argparse.Namespace) -> dict:
         f"{coord['worker_restarts']} workers restarted; loss x{coord['loss_ratio']:.4f}",
         flush=True,
     )
+    gone = coordinator_gone_run(lab, root / "gone", args, clean)
+    print(
+        f"  coordinator gone: every machine stopped {gone['stopped_s']:.1f} s after the kill "
+        f"({args.wait:g} s wait), rounds {gone['checkpointed']} checkpointed of "
+        f"{gone['last_trained']} trained; resumed in {gone['resume_s']:.1f} s; "
+        f"loss x{gone['loss_ratio']:.4f}",
+        flush=True,
+    )
     return {
         "clean": clean,
         "machine_loss": loss,
         "join": join,
         "machine_loss_run": {k: machine[k] for k in ("loss_val", "loss_ratio")},
         "coordinator_restart": coord,
+        "coordinator_gone": gone,
     }
 
 
@@ -568,6 +660,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--evals", type=int, default=4, help="evaluations per run")
     ap.add_argument("--kill-round", type=int, default=6, help="the events come after it")
     ap.add_argument("--delay", type=float, default=2.0, help="s before the coordinator restarts")
+    ap.add_argument("--wait", type=float, default=5.0, help="coordinator_wait_s of the 4th run")
     ap.add_argument("--rate-mbit", type=float, default=20.0)
     ap.add_argument("--machine-cpu", type=float, default=0.45, help="cores per machine")
     ap.add_argument("--coordinator-cpu", type=float, default=0.5, help="the coordinator's cores")
@@ -581,7 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, work: Path) -> None:
     sets = run_sets(args)
     names = ("clean", "machine-loss-join", "coordinator-restart")
-    result = provenance.start("measured", variants=dict.fromkeys(names, sets))
+    variants = dict.fromkeys(names, sets) | {"coordinator-gone": gone_sets(args)}
+    result = provenance.start("measured", variants=variants)
     M = args.machines
     kept = {k: v for k, v in vars(args).items() if k != "work"}  # no paths of this machine
     result |= {"clock": "measured", "args": kept, "reps": []}

@@ -63,6 +63,8 @@ def wait_on(store: HeldStore, completes_after: int) -> str | None:
         timeout_s=60.0,
         options=SimpleNamespace(deadline_floor_s=60.0, deadline_factor=4.0),
         has=lambda key: False,  # nobody marks the epoch broken
+        store_lost=False,  # a held store, not a lost one (World.guarded)
+        guarded=lambda call, default: call(),
     )
     log = OpLog(world, CommStats())
     op = Op(0, "sum", [torch.zeros(1)], epoch=0, members=[0, 1])

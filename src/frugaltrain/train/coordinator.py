@@ -477,9 +477,9 @@ def run_coordinator(
     )
     if not cfg.run.checkpoint_every:
         coord.say(
-            "note: run.checkpoint_every = 0 writes a checkpoint only at the end, so a run "
-            "whose coordinator stays away past fault_tolerance.coordinator_wait_s cannot go "
-            "on (that resume needs a checkpoint every machine holds); "
+            "note: run.checkpoint_every = 0 writes a checkpoint only at the end and when the "
+            "coordinator stays away past fault_tolerance.coordinator_wait_s; a machine lost "
+            "while it is away then leaves no round to go on from; "
             "run.checkpoint_every = 1 loses at most a round"
         )
     try:

@@ -8,11 +8,13 @@ fault: going silent as behind a partition, stopping the heartbeat, and a hook at
 recovery.
 
 Across machines the store can be lost for good (world.py, `guarded`: the coordinator stayed
-away past fault_tolerance.coordinator_wait_s). Every round end then starts with one small gloo
-all-reduce: whether any member has lost the store. The members learn it at different moments,
-but they all take part in the same all-reduce of the same round, so they agree on the round to
-stop at: its end is logged (the logging scalars gathered over gloo), checkpointed, and the
-worker stops (`stopping`). So a run whose coordinator is gone loses no finished round.
+away past fault_tolerance.coordinator_wait_s). Across machines every round end starts with one
+small gloo all-reduce: whether every member has lost the store. The members learn it at
+different moments (one that has goes on without it meanwhile), but they all take part in the
+same all-reduce of the same round, so they agree on the round to stop at: its end is logged
+(the logging scalars gathered over gloo), checkpointed, and the worker stops (`stopping`). So a
+run whose coordinator is gone loses no finished round, while one machine that lost it alone
+(cut off from the coordinator, or its agent dead) stops no one else.
 """
 
 from __future__ import annotations
@@ -110,18 +112,19 @@ class ElasticRuntime(Runtime):
         self, round_idx: int, scalars: list[float], close: Callable[[RoundEnd], StateFn]
     ) -> list[dict]:
         """Across machines, first agree whether the store is lost (module docstring)."""
-        if self.local is not None and self._store_lost_anywhere():
+        if self.local is not None and self._store_lost_everywhere():
             return self._last_round(round_idx, scalars, close)
         return super().end_round(round_idx, scalars, close)
 
-    def _store_lost_anywhere(self) -> bool:
-        """Whether any member has lost the store (with shards: any member of any shard group,
-        so that a replica's shards stop at the same round end)."""
-        lost = torch.tensor([float(self.world.store_lost)])
-        total, _ = self.oplog.wait(self.oplog.post("max", [lost]))
+    def _store_lost_everywhere(self) -> bool:
+        """Whether every member has lost the store (with shards: in every shard group, so that
+        a replica's shards stop at the same round end). One machine cut off from the
+        coordinator, or whose agent died, does not stop the others."""
+        kept = torch.tensor([float(not self.world.store_lost)])
+        total, _ = self.oplog.wait(self.oplog.post("max", [kept]))
+        everywhere = bool(total.item() == 0)
         link = self.comm.shard_link
-        anywhere = bool(total.item() > 0)
-        return anywhere if link is None else not link.all_true(not anywhere)
+        return everywhere if link is None else link.all_true(everywhere)
 
     def _last_round(
         self, round_idx: int, scalars: list[float], close: Callable[[RoundEnd], StateFn]
@@ -129,7 +132,6 @@ class ElasticRuntime(Runtime):
         """The round end without the store, the same on every member: the scalars gathered
         over gloo, the round logged and checkpointed (the loop sees `stopping`)."""
         world = self.world
-        world.lose_store("another member lost it")
         self._round = world.round = round_idx
         self.stopping = True
         fields = {"ft/members": len(self.comm.members), "ft/mix1_late": self.comm.mix1.take_late()}
