@@ -400,14 +400,19 @@ def drive_machine_loss(c: Cluster, args: argparse.Namespace) -> dict:
     return {"at_kill": at_kill, "join_s": joined_s, "asked_s": asked_s, "restarts": restarts}
 
 
-def machine_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) -> dict:
-    """Machine loss, then a join into the freed slot (see the module docstring)."""
-    c = Cluster(lab, root, run_sets(args))
+def driven(lab: NetLab, root: Path, sets: list[str], drive, args) -> tuple[dict, list[dict]]:
+    """`drive(cluster, args)` on a fresh cluster: what it returns, and the run's records."""
+    c = Cluster(lab, root, sets)
     try:
-        seen = drive_machine_loss(c, args)
+        out = drive(c, args)
     finally:
         c.close()
-    records = c.records()
+    return out, c.records()
+
+
+def machine_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) -> dict:
+    """Machine loss, then a join into the freed slot (see the module docstring)."""
+    seen, records = driven(lab, root, run_sets(args), drive_machine_loss, args)
     events = [r for r in records if r.get("kind") == "membership"]
     i = next(k for k, e in enumerate(events) if e["event"] == "left")
     left = events[i]
@@ -469,12 +474,7 @@ def drive_coordinator_restart(c: Cluster, args: argparse.Namespace) -> dict:
 
 
 def coordinator_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) -> dict:
-    c = Cluster(lab, root, run_sets(args))
-    try:
-        out = drive_coordinator_restart(c, args)
-    finally:
-        c.close()
-    records = c.records()
+    out, records = driven(lab, root, run_sets(args), drive_coordinator_restart, args)
     logged = [r["round"] for r in records if r.get("kind") == "round"]
     window = list(range(out["at_kill"] + 1, out["last_before"] + 3))
     loss = final_loss(records)
@@ -537,12 +537,7 @@ def gone_sets(args: argparse.Namespace) -> list[str]:
 
 
 def coordinator_gone_run(lab: NetLab, root: Path, args: argparse.Namespace, clean: dict) -> dict:
-    c = Cluster(lab, root, gone_sets(args))
-    try:
-        out = drive_coordinator_gone(c, args)
-    finally:
-        c.close()
-    records = c.records()
+    out, records = driven(lab, root, gone_sets(args), drive_coordinator_gone, args)
     logged = [r["round"] for r in records if r.get("kind") == "round"]
     loss = final_loss(records)
     return {
