@@ -46,7 +46,12 @@ from flow_profile_check import table as flow_profile_table  # noqa: E402
 from link_probe import table as link_probe_table  # noqa: E402
 from machines import table as machines_table  # noqa: E402
 from netlab_validation import rows as netlab_rows  # noqa: E402
-from time_to_loss import links_table  # noqa: E402
+from time_to_loss import (  # noqa: E402
+    PENALTY_FILES,
+    PENALTY_FILES_BEFORE,
+    links_table,
+)
+from time_to_loss import penalties as time_to_loss_penalties  # noqa: E402
 from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
 from time_to_loss import table as time_to_loss_table  # noqa: E402
 
@@ -1265,10 +1270,21 @@ def _time_to_loss(file: str, render: Callable[[dict], str]) -> Table:
     return Table("docs/results/time_to_loss.md", (file,), lambda f: render(f[0]))
 
 
+def _plan(file: str, penalty_files: tuple[str, ...] = PENALTY_FILES) -> Table:
+    """The planner against one time_to_loss.py results file, with the step penalties drawn from
+    `penalty_files` (the packaged ones by default)."""
+    paths = [f"benchmarks/results/{name}" for name in penalty_files]
+
+    def render(f: list[dict]) -> str:
+        return time_to_loss_plan(f[0], time_to_loss_penalties(list(zip(paths, f[1:], strict=True))))
+
+    return Table("docs/results/time_to_loss.md", (file, *penalty_files), render)
+
+
 TABLES = {
     "time-to-loss-links": _time_to_loss("time_to_loss.json", links_table),
     "time-to-loss": _time_to_loss("time_to_loss.json", time_to_loss_table),
-    "time-to-loss-plan": _time_to_loss("time_to_loss.json", time_to_loss_plan),
+    "time-to-loss-plan": _plan("time_to_loss.json", PENALTY_FILES_BEFORE),
     "machines": Table("docs/multihost.md", ("machines.json",), lambda f: machines_table(f[0])),
     "faults-matrix": Table("docs/reliability.md", ("faults.json",), lambda f: faults_table(f[0])),
     "link-probe": Table(
@@ -1341,7 +1357,7 @@ TABLES = {
     ),
     "time-to-loss-flagship-links": _time_to_loss("time_to_loss_flagship.json", links_table),
     "time-to-loss-flagship": _time_to_loss("time_to_loss_flagship.json", time_to_loss_table),
-    "time-to-loss-flagship-plan": _time_to_loss("time_to_loss_flagship.json", time_to_loss_plan),
+    "time-to-loss-flagship-plan": _plan("time_to_loss_flagship.json", PENALTY_FILES_BEFORE),
     "time-to-loss-retuned-links": _time_to_loss("time_to_loss_retuned_h10.json", links_table),
     "time-to-loss-retuned": _time_to_loss("time_to_loss_retuned_h10.json", time_to_loss_table),
     "time-to-loss-retuned-streaming": _time_to_loss(
@@ -1356,6 +1372,10 @@ TABLES = {
     "time-to-loss-past-r1-slow": _time_to_loss(
         "time_to_loss_past_h10_r1_slow.json", time_to_loss_table
     ),
+    "time-to-loss-rest": _time_to_loss("time_to_loss_past_h10_rest.json", time_to_loss_table),
+    "time-to-loss-past-plan": _plan("time_to_loss_past_h10.json"),
+    "time-to-loss-rest-plan": _plan("time_to_loss_past_h10_rest.json"),
+    "time-to-loss-past-r1-slow-plan": _plan("time_to_loss_past_h10_r1_slow.json"),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
     ),

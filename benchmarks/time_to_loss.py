@@ -9,7 +9,8 @@ depend on whether the others are blocked.
     python benchmarks/time_to_loss.py --resimulate JSON [CASE]  # the simulator's curves again
     python benchmarks/time_to_loss.py --penalties src/frugaltrain/sim/penalties.json
                       # the planner's step penalties (`frugaltrain plan`), from PENALTY_FILES
-    python benchmarks/time_to_loss.py --check-against JSON  # the planner against the runs
+    python benchmarks/time_to_loss.py --check-against JSON [--before]
+                      # the planner against the runs (--before: with the first penalties)
 
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
 Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
@@ -407,9 +408,13 @@ def outer_table(method: str, sets: list[str] = ()) -> dict:
     return provenance.outer_table(*overrides(method, list(sets)))
 
 
-PENALTY_FILES = ("time_to_loss.json", "time_to_loss_flagship.json")
+PENALTY_FILES = ("time_to_loss_past_h10.json", "time_to_loss_past_h10_rest.json")
 """The results the planner's penalties come from (under benchmarks/results/), in order: a method
-measured in more than one takes the first's."""
+measured in more than one takes the first's. Every method at DiLoCo's outer step for H = 10
+(lr 1.0, momentum 0), the others running past DiLoCo's steps (--steps-x 1.5)."""
+PENALTY_FILES_BEFORE = ("time_to_loss.json", "time_to_loss_flagship.json")
+"""Those of the planner's first penalties (each method at its example's outer step of the time,
+the others stopped at DiLoCo's steps): the plan tables of those runs are drawn with them."""
 SAME_SETUP = ("data", "tuned_on", "steps", "H", "seeds")
 
 
@@ -475,19 +480,22 @@ def _penalty(record: dict, m: str) -> dict:
     }
 
 
-def penalty_files(results: Path = RESULTS) -> list[tuple[str, dict]]:
-    """PENALTY_FILES as `penalties` takes them (paths relative to the repository)."""
+def penalty_files(
+    results: Path = RESULTS, names: tuple[str, ...] = PENALTY_FILES
+) -> list[tuple[str, dict]]:
+    """`names` (PENALTY_FILES) as `penalties` takes them (paths relative to the repository)."""
     return [(f"benchmarks/results/{name}", json.loads((results / name).read_text()))
-            for name in PENALTY_FILES]  # fmt: skip
+            for name in names]  # fmt: skip
 
 
-def plan_cases(record: dict) -> list[dict]:
+def plan_cases(record: dict, pen: dict | None = None) -> list[dict]:
     """Per case, the planner fed the case's probe (with its links' nominal rates) and DiLoCo's
     measured step time (mean over seeds): its estimated time to DiLoCo's loss as a ratio to
     DiLoCo's per method, beside the measured ratios and the simulator's (seed 0, trained); its
     pick and the measured fastest (lowest mean ratio over the seeds that reached the loss). The
     step penalties come from these same runs, so this checks the clock and the composition, not
-    how the penalties carry over to other configs."""
+    how the penalties carry over to other configs. `pen`: the penalties' table (default: the
+    packaged one)."""
     from frugaltrain.sim.plan import StepTime, links_from_probe, make_plan
 
     shared = [s for s in record["shared"] if not s.startswith("run.seed=")]
@@ -500,7 +508,7 @@ def plan_cases(record: dict) -> list[dict]:
         links = links_from_probe(
             case["probe"], cfg.run.workers, case["rates_mbit"], f"the {name} probe"
         )
-        plan = make_plan(cfg, links, step, record["methods"])
+        plan = make_plan(cfg, links, step, record["methods"], pen)
         rows = [(r, found[(name, r.method)]) for r in plan.rows]
         means = {r.method: statistics.mean(got) for r, a in rows
                  if (got := [x for x in a["ratios"] if x is not None])}  # fmt: skip
@@ -513,10 +521,10 @@ def plan_cases(record: dict) -> list[dict]:
 _PLAN_TABLES: dict[str, str] = {}  # tables.py renders every table once per check: plan once
 
 
-def plan_table(record: dict) -> str:
+def plan_table(record: dict, pen: dict | None = None) -> str:
     """`plan_cases` as one table: the pick column marks the plan's pick and the measured
     fastest."""
-    key = json.dumps(record, sort_keys=True)
+    key = json.dumps([record, pen], sort_keys=True)
     if key in _PLAN_TABLES:
         return _PLAN_TABLES[key]
     lines = [
@@ -524,7 +532,7 @@ def plan_table(record: dict) -> str:
         "over seeds) | simulator, x DiLoCo (seed 0) | plan's pick / measured fastest |",
         "|---|---|---|---|---|---|",
     ]
-    for c in plan_cases(record):
+    for c in plan_cases(record, pen):
         for r, a in c["rows"]:
             plan = f"{r.ratio:.2f}" if r.ratio is not None else "-"
             if r.steps_fraction is None:
@@ -539,11 +547,11 @@ def plan_table(record: dict) -> str:
     return _PLAN_TABLES[key]
 
 
-def check_against(record: dict) -> str:
+def check_against(record: dict, pen: dict | None = None) -> str:
     """The plan table, then per case its links, step time and whether the pick is the
-    measured fastest."""
-    lines = [plan_table(record), ""]
-    for c in plan_cases(record):
+    measured fastest (`pen`: as in plan_cases)."""
+    lines = [plan_table(record, pen), ""]
+    for c in plan_cases(record, pen):
         rates = "/".join(f"{x:g}" for x in c["rates"])
         same = "the same" if c["pick"] == c["fastest"] else "not the same"
         lines.append(f"{c['case']}: links {rates} Mbit/s, step {c['step_s']:.4f} s: pick "
@@ -578,7 +586,10 @@ if __name__ == "__main__":
         out.write_text(json.dumps(penalties(penalty_files()), indent=1) + "\n")
         print(f"wrote {out}")
     elif sys.argv[1:2] == ["--check-against"]:
-        print(check_against(json.loads(Path(sys.argv[2]).read_text())))
+        # --before: with the penalties of PENALTY_FILES_BEFORE (the plan tables of those runs)
+        names = PENALTY_FILES_BEFORE if "--before" in sys.argv[3:] else PENALTY_FILES
+        pen = penalties(penalty_files(names=names))
+        print(check_against(json.loads(Path(sys.argv[2]).read_text()), pen))
     elif sys.argv[1:2] == ["--table"]:
         rec = json.loads(Path(sys.argv[2]).read_text())
         print(links_table(rec))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -164,6 +165,23 @@ def test_a_probe_is_measured_and_a_method_never_reached_gets_no_number(make_conf
     row = next(r for r in _plan(make_config).rows if r.method == "streaming")
     assert row.time_s is None and row.ratio is None and row.clock_s is not None
     assert "never reached DiLoCo's loss" in row.note
+
+
+def test_a_method_past_diloco_steps_is_timed_past_them(make_config, monkeypatch):
+    """A step penalty above 1 (the method reached DiLoCo's loss after DiLoCo's last step): the
+    time is the clock at that many steps, past the clock of run.steps."""
+    pen = load_penalties()
+    pen["methods"]["diloco-int8"] |= {"steps_fraction": 1.5, "reached": "3/3"}
+    monkeypatch.setattr(planner, "load_penalties", lambda: pen)
+    cfg = make_config(*TINY)
+    row = next(r for r in _plan(make_config).rows if r.method == "diloco-int8")
+    links = links_given([2.0], cfg.run.workers)  # as _plan feeds it
+    sim = SimSection(step_s=0.05, bandwidth_bps=links.bandwidth_bps, p2p_bandwidth_ratio=1.0)
+    outer = pen["methods"]["diloco-int8"]["outer"]
+    H = cfg.outer.H
+    c = clock(method_config(cfg, outer, math.ceil(1.5 * cfg.run.steps / H) * H), sim)
+    assert row.clock_s == c.at_step(cfg.run.steps) < row.time_s
+    assert row.time_s == c.at_step(1.5 * cfg.run.steps)
 
 
 def test_the_pick_is_among_the_methods_asked_for_and_diloco_is_the_reference(make_config):
@@ -339,8 +357,9 @@ def test_packaged_penalties_are_what_the_results_give():
     assert set(AUTO_METHODS) <= set(bench.METHODS) and set(AUTO_METHODS) <= measured
     pen = load_penalties()
     assert pen == json.loads(json.dumps(bench.penalties(files)))
-    assert pen["methods"]["GlobalM1LocalM2-int8"]["source"].endswith("time_to_loss_flagship.json")
-    assert pen["methods"]["GlobalM1LocalM2"]["source"].endswith("time_to_loss.json")
+    assert pen["methods"]["GlobalM1LocalM2-int8"]["source"].endswith("time_to_loss_past_h10.json")
+    assert pen["methods"]["GlobalM1LocalM2"]["source"].endswith("time_to_loss_past_h10_rest.json")
+    assert pen["methods"]["diloco"]["source"].endswith("time_to_loss_past_h10.json")  # the first
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "sim/penalties.json" in pyproject["tool"]["setuptools"]["package-data"]["frugaltrain"]
 

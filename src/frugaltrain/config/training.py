@@ -40,6 +40,7 @@ SHARED_KEYS = {
 AUTO_METHODS = (
     "diloco",
     "diloco-int8",
+    "diloco-e3m0",
     "streaming",
     "noloco",
     "GlobalM1",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 import time
 import warnings
@@ -58,11 +59,13 @@ def check_methods(names: list[str], key: str) -> None:
             )
 
 
-def method_config(cfg: Config, outer: dict) -> Config:
-    """`cfg` with the method's [outer] table in place of its own (keeping its outer.H); a
-    ConfigError if this config cannot run the method."""
+def method_config(cfg: Config, outer: dict, steps: int | None = None) -> Config:
+    """`cfg` with the method's [outer] table in place of its own (keeping its outer.H), run for
+    `steps` (default: its own run.steps); a ConfigError if this config cannot run the method."""
     raw = to_dict(cfg)
     raw["outer"] = {**copy.deepcopy(outer), "H": cfg.outer.H}
+    if steps is not None:
+        raw["run"]["steps"] = steps
     with warnings.catch_warnings():  # the table holds only keys its strategy reads
         warnings.simplefilter("ignore")
         return build_config(Config, raw)
@@ -255,8 +258,12 @@ class Plan:
 
 def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool) -> Row:
     row = Row(name, entry["outer"]["strategy"], pick, seeds=entry["reached"])
+    # A method that needed more than DiLoCo's steps: its clock runs on past run.steps, in
+    # whole rounds.
+    H = cfg.outer.H
+    steps = math.ceil(max(1.0, entry["steps_fraction"] or 1.0) * cfg.run.steps / H) * H
     try:
-        mcfg = method_config(cfg, entry["outer"])
+        mcfg = method_config(cfg, entry["outer"], steps)
         sim = SimSection(
             step_s=step.seconds,
             bandwidth_bps=links.bandwidth_bps,
@@ -266,7 +273,7 @@ def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick
     except ConfigError as e:
         row.note = f"not for this config: {e}"
         return row
-    row.util, row.clock_s = c.util, c.sim_s[-1]
+    row.util, row.clock_s = c.util, c.at_step(cfg.run.steps)
     row.steps_fraction = entry["steps_fraction"]
     if row.steps_fraction is None:
         row.note = f"never reached DiLoCo's loss in the measurements ({entry['reached']} seeds)"
@@ -275,9 +282,16 @@ def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick
     return row
 
 
-def make_plan(cfg: Config, links: Links, step: StepTime, methods: list[str] | None = None) -> Plan:
+def make_plan(
+    cfg: Config,
+    links: Links,
+    step: StepTime,
+    methods: list[str] | None = None,
+    penalties: dict | None = None,
+) -> Plan:
     """Every method's predicted time to DiLoCo's loss on `links` at `step`, and the pick among
-    `methods` (default: all of config.AUTO_METHODS)."""
+    `methods` (default: all of config.AUTO_METHODS); `penalties`: the step penalties' table
+    (default: the packaged one, `load_penalties`)."""
     methods = list(methods or AUTO_METHODS)
     check_methods(methods, "methods")
     if cfg.run.workers < 2:
@@ -285,7 +299,7 @@ def make_plan(cfg: Config, links: Links, step: StepTime, methods: list[str] | No
             f"run.workers = {cfg.run.workers}: with one worker every outer method is the same "
             "training; plan a run of 2 or more workers"
         )
-    pen = load_penalties()
+    pen = penalties or load_penalties()
     names = methods if BASELINE in methods else [BASELINE, *methods]
     rows = [_row(cfg, m, pen["methods"][m], links, step, m in methods) for m in names]
     base = next(r for r in rows if r.method == BASELINE)
