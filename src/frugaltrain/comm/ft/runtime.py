@@ -8,8 +8,8 @@ fault: going silent as behind a partition, stopping the heartbeat, and a hook at
 recovery.
 
 Across machines the store can be lost for good (world.py, `guarded`: the coordinator stayed
-away past fault_tolerance.coordinator_wait_s). Across machines every round end starts with one
-small gloo all-reduce: whether every member has lost the store. The members learn it at
+away past fault_tolerance.coordinator_wait_s), so there every round end starts with one small
+gloo all-reduce: whether every member has lost the store. The members learn it at
 different moments (one that has goes on without it meanwhile), but they all take part in the
 same all-reduce of the same round, so they agree on the round to stop at: its end is logged
 (the logging scalars gathered over gloo), checkpointed, and the worker stops (`stopping`). So a
@@ -169,7 +169,7 @@ class ElasticRuntime(Runtime):
         reason = world.guarded(world.broken, None)
         if reason is not None:
             self.oplog.recover(reason)
-        if world.store_lost:  # nobody can join now; the next round end stops (end_round)
+        if world.store_lost:  # no quorum wait, no admission: both need the store
             return
         self._wait_for_quorum()
         self.admission.at_round_end(round_idx, state_fn)
