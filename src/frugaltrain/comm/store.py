@@ -70,7 +70,8 @@ import socket
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, NamedTuple, Protocol
 
@@ -638,28 +639,30 @@ class StoreServer:
         with self._lock:
             return self._data[_key(key)]
 
-    def set(self, key: str, value: str | bytes) -> None:
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock around an in-process change, journaled (`_commit`) before it is let go."""
         with self._lock:
+            try:
+                yield
+            finally:
+                self._commit()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._changing():
             self._write(_key(key), _bytes(value))
-            self._commit()
 
     def check(self, keys: list[str]) -> bool:
         with self._lock:
             return all(_key(k) in self._data for k in keys)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        with self._lock:
-            try:
-                return self._compare_set(_key(key), _bytes(expected), _bytes(desired))
-            finally:
-                self._commit()
+        with self._changing():
+            return self._compare_set(_key(key), _bytes(expected), _bytes(desired))
 
     def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            try:
-                return self._add(_key(key), amount)
-            finally:
-                self._commit()
+        with self._changing():
+            return self._add(_key(key), amount)
 
 
 class PrefixView:

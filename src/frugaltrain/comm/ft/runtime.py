@@ -134,8 +134,7 @@ class ElasticRuntime(Runtime):
         world = self.world
         self._round = world.round = round_idx
         self.stopping = True
-        fields = {"ft/members": len(self.comm.members), "ft/mix1_late": self.comm.mix1.take_late()}
-        fields["ft/slowest_round"] = round_idx  # every member is at this round end
+        fields = self._round_fields() | {"ft/slowest_round": round_idx}  # every member is here
         events = self._drain_events()
         means = self.means.post(scalars)
         self.means.gather_recent()
