@@ -2,7 +2,8 @@
 object with "command", "kind", "machine" and "date", its kind one of provenance.KINDS (or a dict
 of them, figure by figure), its command the relative `python benchmarks/...` line that
 reproduces it (reconstructed afterwards for the oldest files, as their "command_note" says),
-and no absolute path of the machine it ran on anywhere in it."""
+and no absolute path of the machine it ran on anywhere in it (older runs' run directories under
+the system temp directory are written as $TMPDIR/..., benchmarks/redact_paths.py)."""
 
 from __future__ import annotations
 
@@ -17,54 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 REQUIRED = ("command", "kind", "machine", "date")
-
-# Older runs that recorded each run's temporary directory (tempfile.mkdtemp, under /tmp) in
-# its overrides, runs[].sets: "run.out_dir='/tmp/tmp...'". Kept as they were run.
-TMP_RUN_DIRS = frozenset(
-    {
-        "compression_h10_2000steps.json",
-        "compression_h10_2000steps_topk01.json",
-        "compression_h10_real_s0.json",
-        "compression_h10_real_s12.json",
-        "compression_h10_s0.json",
-        "compression_h10_s12.json",
-        "compression_outer_pilot_h10.json",
-        "compression_outer_pilot_h50.json",
-        "compression_sparse_lr_h10.json",
-        "fgd_ablation_h10.json",
-        "fgd_lr_grid_h10.json",
-        "fgd_lr_grid_h50_h100.json",
-        "fgd_momentum_h10.json",
-        "fgd_momentum_h100_lr12.json",
-        "fgd_momentum_h10_seeds12.json",
-        "fgd_momentum_h50_fill.json",
-        "fgd_momentum_h50_h100.json",
-        "fgd_momentum_h50_seeds12.json",
-        "fgd_real_h50.json",
-        "fgd_real_vs_sim_h10.json",
-        "fgd_tuned_h100_seeds12.json",
-        "fgd_tuned_h10_seeds12.json",
-        "fgd_tuned_h50_seeds12.json",
-        "hf_loss_gap.json",
-        "hf_loss_gap_grid_s0.json",
-        "hf_loss_gap_grid_s0_low.json",
-        "hf_loss_gap_tuned.json",
-    }
-)
-# Older flow runs whose recorded config names their run directory under /tmp
-# (config.run.out_dir). Kept as they were run.
-FLOW_RUN_DIRS = frozenset(
-    {
-        "flow.json",
-        "flow-run1.json",
-        "flow-run3-encoder_heavy.json",
-        "flow-run4-encoder_heavy.json",
-        "flow-run5.json",
-        "flow-vlm-run1.json",
-        "flow-vlm-run2.json",
-    }
-)
-MACHINE_PATHS_ALLOWED = TMP_RUN_DIRS | FLOW_RUN_DIRS
 
 # An absolute path, alone or inside a longer string, but for /usr/ (the corpora Debian packages
 # ship, read as data): one names the machine a run was made on. Not a ratio ("Mbit/s"), a
@@ -138,8 +91,6 @@ def test_result_file_says_what_it_is(path: Path):
 
 @pytest.mark.parametrize("path", _result_files(), ids=lambda p: p.name)
 def test_result_file_holds_no_machine_path(path: Path):
-    if path.name in MACHINE_PATHS_ALLOWED:
-        pytest.skip("an older run's recorded run directory (allow-listed above)")
     assert machine_paths(_load(path)) == []
 
 
@@ -154,13 +105,6 @@ def test_a_file_of_example_methods_keeps_each_ones_outer_table(path: Path):
     if not str(record.get("command", "")).startswith(OUTER_TABLE_SCRIPTS):
         pytest.skip("its methods are not example configs")
     assert set(record.get("outer_tables", {})) == set(record["methods"])
-
-
-def test_allow_list_names_files_that_still_need_it():
-    for name in sorted(MACHINE_PATHS_ALLOWED):
-        path = RESULTS / name
-        assert path.exists(), f"{name}: gone, drop it from the allow-list"
-        assert machine_paths(_load(path)), f"{name}: no machine path left, drop it from the list"
 
 
 def test_a_missing_or_wrong_field_is_caught():
@@ -182,5 +126,6 @@ def test_a_machine_path_is_caught():
     assert machine_paths({"out": "/tmp/run"}) == ["/tmp/run"]
     assert machine_paths({"sets": ["run.out_dir='/home/a/x'"]}) == ["run.out_dir='/home/a/x'"]
     assert machine_paths({"/srv/a": 1}) == ["/srv/a"]
+    assert machine_paths({"sets": ["run.out_dir='$TMPDIR/tmpab12'"], "out": "$TMPDIR/x"}) == []
     clean = {"out": "runs/tmp/x", "data": "/usr/share/doc", "rate": "Mbit/s", "u": "https://a/b"}
     assert machine_paths(clean | {"file": "benchmarks/results/a.json"}) == []
