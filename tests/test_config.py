@@ -119,6 +119,7 @@ def test_key_set_is_pinned():
             "mix1_weight",
             "mix2_momentum",
             "mix2_overlap",
+            "mix1_delta",
         ],
         "noloco": ["group_size", "consensus_pull"],
         "streaming": ["fragments", "overlap", "merge_alpha"],
@@ -210,6 +211,19 @@ def test_toml_round_trip(tmp_path):
             ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_overlap=true"]
             + ["fault_tolerance.enabled=true"],
             "outer.fgd.mix2_overlap = True: the fault-tolerant runtime runs Mix2 blocking only",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix1=ring", "outer.fgd.mix1_delta=true"],
+            "outer.fgd.mix1_delta = True: codes against the mean every worker holds, which needs "
+            "mix1 = 'complete' and mix1_weight = 1",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.momentum_policy=mixed", "outer.fgd.mix1_delta=true"],
+            "outer.fgd.mix1_delta = True: codes parameters, not momenta",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix1_delta=true", "fault_tolerance.enabled=true"],
+            "outer.fgd.mix1_delta = True: the fault-tolerant runtime's Mix1 drops a late message",
         ),
     ],
 )

@@ -130,6 +130,9 @@ def _gloo_worker(rank, port, jobs, out):
             if name.startswith("mean-recursion"):
                 results[name] = _mean_recursion_rounds(cfg, comm, late=name.endswith("late"))
                 continue
+            if name == "mix1-delta-rounds":
+                results[name] = _mix1_delta_rounds(cfg, comm)
+                continue
             result = train_worker(cfg, comm, Path(run_dir), Path(resume) if resume else None)
             results[name] = (_params(result.model), comm.stats.bytes_sent)
             dist.barrier()  # rank 0 writes the COMPLETE marker after the others finish
@@ -167,6 +170,26 @@ def _mean_recursion_rounds(cfg, comm, late: bool = False) -> list[dict]:
                 "m_next": [m.clone() for m in fgd.momenta()],
             }
         )
+    return rounds
+
+
+def _mix1_delta_rounds(cfg, comm) -> list[dict]:
+    """Drive GlobalM1 with Mix1 coded as deltas in e3m0 by hand (random inner moves); record per
+    round the x_i sent, and the anchor and Mix1 residual after the round."""
+    fgd = FactoredGossipDiLoCo(
+        build_model(cfg), comm, H=1, lr=0.7, momentum=0.9, param_codec="e3m0", mix1_delta=True
+    )
+    gen = torch.Generator().manual_seed(comm.rank)
+    rounds = []
+    for t in range(4):
+        fgd.before_step(t)
+        x = torch.cat([v.flatten() for v in fgd.outer])
+        with torch.no_grad():
+            for p in fgd.params:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        fgd.after_step(t + 1)
+        anchor = torch.cat([a.flatten() for a in fgd._anchor])
+        rounds.append({"x": x, "anchor": anchor, "residual": fgd.feedback("mix1").residual})
     return rounds
 
 
@@ -214,9 +237,17 @@ def _cases(factory, root: Path) -> list[tuple]:
         part = job(f"{name}-part", *gossip, *late, "run.stop_at_round=2")
         ckpt = str(Path(part[2]) / "checkpoints" / "round_000002")
         jobs += [whole, part, (f"{name}-resumed", part[1], part[2], ckpt)]
+    m1 = ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'")
+    delta = (*m1, "outer.fgd.mix1_delta=true")
+    jobs += [job("fgd-m1", *m1), job("fgd-m1-delta", *delta)]
+    e3m0 = (*delta, "outer.param_codec='e3m0'", "run.checkpoint_every=1")
+    part = job("fgd-delta-e3m0-part", *e3m0, "run.stop_at_round=2")
+    ckpt = str(Path(part[2]) / "checkpoints" / "round_000002")
+    jobs += [job("fgd-delta-e3m0-full", *e3m0), part, ("fgd-delta-e3m0-resumed", *part[1:3], ckpt)]
     jobs += [
         ("mean-recursion", factory(root, *base), None, None),
         ("mean-recursion-late", factory(root, *base), None, None),
+        ("mix1-delta-rounds", factory(root, *base), None, None),
     ]
     return jobs
 
@@ -294,6 +325,43 @@ def test_fgd_mean_follows_diloco_recursion(gloo_runs, case):
     assert case == "mean-recursion" or not torch.equal(
         gloo_runs[0][case][1]["x_next"][0], blocking[0]
     )
+
+
+def test_mix1_as_deltas_in_fp32_is_mix1(gloo_runs):
+    # x_i - a sent and a + mean added back: the same mean up to fp32 rounding.
+    for rank in range(WORLD):
+        plain, delta = gloo_runs[rank]["fgd-m1"][0], gloo_runs[rank]["fgd-m1-delta"][0]
+        for u, v in zip(plain, delta, strict=True):
+            torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
+
+
+def test_mix1_as_deltas_in_4bit_resumes_exactly_and_sends_an_eighth(gloo_runs):
+    for rank in range(WORLD):
+        full, resumed = (
+            gloo_runs[rank]["fgd-delta-e3m0-full"],
+            gloo_runs[rank]["fgd-delta-e3m0-resumed"],
+        )
+        _assert_same(full[0], resumed[0])
+        # Mix2 in fp32 in both; Mix1 (as many bytes as Mix2 in fp32) in 4 bits plus scales.
+        assert full[1] < 0.6 * gloo_runs[rank]["fgd-m1"][1]
+
+
+def test_mix1_deltas_keep_one_anchor_and_lose_nothing(gloo_runs):
+    # Every worker adds the same sent values to the same anchor, so the anchors agree bit for
+    # bit; and the error feedback loses nothing: a + mean(residual) after a round equals the
+    # exact mean of the x_i sent plus the mean residual before it.
+    per = [gloo_runs[r]["mix1-delta-rounds"] for r in range(WORLD)]
+    before = torch.zeros_like(per[0][0]["x"])
+    for t in range(4):
+        for r in range(1, WORLD):
+            assert torch.equal(per[r][t]["anchor"], per[0][t]["anchor"])
+        x = torch.stack([p[t]["x"].double() for p in per]).mean(0)
+        residual = torch.stack([p[t]["residual"].double() for p in per]).mean(0)
+        # Round 0 sends x_i - a = 0; later rounds' updates do not go whole in 4 bits.
+        assert t == 0 or residual.abs().max() > 0
+        got = per[0][t]["anchor"].double() + residual
+        torch.testing.assert_close(got, x + before, rtol=0, atol=1e-6)
+        before = residual
 
 
 def test_consensus_metrics_match_brute_force(gloo_runs, tmp_path_factory):

@@ -113,14 +113,15 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def encode_own(
     tensors: list[torch.Tensor], codec: str, feedback: ErrorFeedback | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """This worker's value in a mix and the parts it sends. Dense codecs: its exact values
-    (only what a worker receives is lossy). Sparse: what it sent, so every worker of an
-    average holds the same sum; the unsent rest (plus `feedback`'s carry) goes to `feedback`."""
+    """This worker's value in a mix and the parts it sends. A dense codec without error
+    feedback: its exact values (only what a worker receives is lossy). A sparse codec, or any
+    codec with `feedback`: what it sent, so every worker of an average holds the same sum; the
+    unsent rest (plus `feedback`'s carry) goes to `feedback`."""
     flat = flatten(tensors)
     if feedback is not None:
         flat = feedback.compensate(flat)
     parts = compress.encode(flat, codec)
-    if not compress.is_sparse(codec):
+    if feedback is None and not compress.is_sparse(codec):
         return flat, parts
     sent = compress.decode(parts, codec, flat.numel())
     if feedback is not None:

@@ -433,6 +433,11 @@ class FgdSection(Section):
     round late as a correction (each worker steps with its own fresh pseudo-gradient plus
     (W2 Delta)_i - Delta_i of the round before): no blocking Mix2, and the mean of the workers
     still follows DiLoCo exactly. The run's last round mixes at once."""
+    mix1_delta: bool = False
+    """Mix1 sends x_i minus the last Mix1 mean (which every worker holds alike), with error
+    feedback, instead of x_i: with a lossy outer.param_codec (int8, e3m0) it codes a round's
+    update, which quantizes as well as a pseudo-gradient, not the parameters themselves. Needs
+    the complete Mix1 taken whole (mix1 = 'complete', mix1_weight = 1) and no mixed momentum."""
 
     def check(self) -> None:
         self.require(
@@ -455,6 +460,18 @@ class FgdSection(Section):
                 not self.mix2_momentum,
                 "mix2_overlap",
                 "mixes pseudo-gradients only; set mix2_momentum = false or drop mix2_overlap",
+            )
+        if self.mix1_delta:
+            self.require(
+                self.mix1 == "complete" and self.mix1_weight == 1,
+                "mix1_delta",
+                "codes against the mean every worker holds, which needs mix1 = 'complete' and "
+                "mix1_weight = 1; set both or drop mix1_delta",
+            )
+            self.require(
+                self.momentum_policy != "mixed",
+                "mix1_delta",
+                "codes parameters, not momenta; set momentum_policy = 'local' or drop mix1_delta",
             )
 
     def _apply_preset(self) -> None:
@@ -869,7 +886,8 @@ def coordinator_wait_s(cfg: Config) -> float:
 
 def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> None:
     """Every injected fault names a worker of this run and fires in one of its rounds; the
-    fault-tolerant runtime's only non-blocking mix is Mix1 (comm/ft/mix1.py); a machine waits
+    fault-tolerant runtime's only non-blocking mix is Mix1 (comm/ft/mix1.py), sent whole (it may
+    drop a late message); a machine waits
     for a lost coordinator at most half of run.timeout_s."""
     require(
         ft.coordinator_wait_s <= r.timeout_s / 2,
@@ -885,6 +903,14 @@ def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> 
         True,
         "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_overlap = "
         "false or fault_tolerance.enabled = false",
+    )
+    require(
+        not (ft.enabled and o.strategy == "fgd" and o.fgd.mix1_delta),
+        "outer.fgd.mix1_delta",
+        True,
+        "the fault-tolerant runtime's Mix1 drops a late message, so workers would not hold the "
+        "same mean to code against; set outer.fgd.mix1_delta = false or "
+        "fault_tolerance.enabled = false",
     )
     rounds = -(-r.steps // o.H)
     for fault in faults.parse(ft.inject):

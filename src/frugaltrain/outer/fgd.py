@@ -25,6 +25,12 @@ The correction sums to zero over the workers (W2 doubly stochastic), so the mean
 DiLoCo exactly; only the workers' spread sees Mix2 one round late. The run's last round mixes
 at once, so nothing is in flight when it ends.
 
+mix1_delta codes Mix1 as DiLoCo codes its outer gradient. With a complete Mix1 every worker
+ends a Mix1 holding the same mean a, so it sends x_i - a (its last outer update, small, like a
+pseudo-gradient) with error feedback instead of x_i, and takes y = a + mean(sent): a lossy
+param_codec then costs what it costs on pseudo-gradients, not what it costs on parameters. Each
+worker's own contribution is what it sent, so a stays the same on every worker.
+
 Momentum policy "local" keeps m_i on the worker; "mixed" (the paper's GlobalM1S) sends m_i along
 with x_i in Mix1, doubling its bytes; "reset" clears m_i before every outer step (an ablation:
 no momentum carried across rounds). Two more ablation switches: mix1_weight alpha takes only part
@@ -39,6 +45,7 @@ import torch
 from torch import nn
 
 from frugaltrain.comm import Comm, Handle
+from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.topology import mixing_matrix
 from frugaltrain.models.parts import select
 from frugaltrain.outer.round import OuterRound, copy_all_, dense_or_fp32
@@ -57,6 +64,8 @@ class FactoredGossipDiLoCo(OuterRound):
         last_step: the run's last inner step (0: not known); with mix2_overlap the round that
             ends there mixes at once.
         param_codec: Mix1's encoding (a dense codec; "": outer.codec when dense, else fp32).
+        mix1_delta: Mix1 sends x_i less the last Mix1 mean, with error feedback (above); needs
+            a complete Mix1 taken whole.
         The pseudo-gradients of Mix2 go in `codec`, sparse ones with error feedback.
     """
 
@@ -74,6 +83,7 @@ class FactoredGossipDiLoCo(OuterRound):
         mix2_overlap: bool = False,
         last_step: int = 0,
         param_codec: str = "",
+        mix1_delta: bool = False,
         **outer,
     ) -> None:
         super().__init__(model, comm, **outer)
@@ -90,12 +100,19 @@ class FactoredGossipDiLoCo(OuterRound):
         self._correction: list[torch.Tensor] | None = None
         self.param_codec = param_codec or dense_or_fp32(self.codec)
         self._mix1: tuple[Handle, list[torch.Tensor]] | None = None
+        self.mix1_delta = mix1_delta
+        self._anchor: list[torch.Tensor] | None = None  # the last Mix1 mean (mix1_delta)
 
     def start_round(self) -> None:
         """Post Mix1 of the round's x_i (and m_i when mixed)."""
         if self._mix1 is not None:
             return
-        payload = [x.clone() for x in self.outer]
+        if self.mix1_delta:
+            if self._anchor is None:  # round 0: every replica starts from the same x
+                self._anchor = [x.clone() for x in self.outer]
+            payload = [x - a for x, a in zip(self.outer, self._anchor, strict=True)]
+        else:
+            payload = [x.clone() for x in self.outer]
         momenta = self.momenta() if self.momentum_policy == "mixed" else None
         if momenta is not None:
             payload += [m.clone() for m in momenta]
@@ -103,8 +120,21 @@ class FactoredGossipDiLoCo(OuterRound):
         w1 = mixing_matrix(self.mix1, n, self.round, self.seed)
         if self.mix1_weight < 1:
             w1 = (1 - self.mix1_weight) * np.eye(n) + self.mix1_weight * w1
-        handle = self.comm.mix_(payload, w1, codec=self.param_codec, blocking=False, op="mix1")
+        handle = self.comm.mix_(
+            payload,
+            w1,
+            codec=self.param_codec,
+            feedback=self.feedback("mix1"),
+            blocking=False,
+            op="mix1",
+        )
         self._mix1 = (handle, payload)
+
+    def feedback(self, op: str) -> ErrorFeedback | None:
+        """Mix1's error feedback when it sends deltas (whatever its codec), else the base's."""
+        if op == "mix1":
+            return self.feedbacks.setdefault(op, ErrorFeedback()) if self.mix1_delta else None
+        return super().feedback(op)
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
         """Mix2 on the chosen pseudo-gradients, then take Mix1's result as x_i (and m_i)."""
@@ -117,6 +147,10 @@ class FactoredGossipDiLoCo(OuterRound):
         handle, mixed = self._mix1
         handle.wait()
         self._mix1 = None
+        if self.mix1_delta:  # y = a + mean(sent), the next anchor
+            for a, z in zip(self._anchor, mixed, strict=True):
+                a.add_(z)
+            mixed = self._anchor
         n = len(self.outer)
         copy_all_(self.outer, mixed[:n])
         if len(mixed) > n:
@@ -187,14 +221,25 @@ class FactoredGossipDiLoCo(OuterRound):
     def state_dict(self) -> dict:
         if self._mix1 is not None:
             raise RuntimeError("checkpoint taken with Mix1 in flight; save at round ends only")
+        state = super().state_dict()
+        if self.mix1_delta and self._anchor is not None:
+            state["mix1_anchor"] = [a.clone() for a in self._anchor]
         if not self.mix2_overlap:
-            return super().state_dict()
+            return state
         correction = self._settle_mix2()  # the late Mix2 lands now, not at the next round's end
-        return {**super().state_dict(), "mix2_correction": [c.clone() for c in correction or []]}
+        return {**state, "mix2_correction": [c.clone() for c in correction or []]}
 
     def load_state_dict(self, state: dict, own: bool = True) -> None:
-        """A peer's state brings no correction: it is that peer's, not this worker's."""
+        """A peer's state brings no correction: it is that peer's, not this worker's. Its Mix1
+        anchor is everyone's."""
         super().load_state_dict(state, own)
+        anchor = state.get("mix1_anchor")
+        if self.mix1_delta and anchor is None and self.round > 0:
+            raise ValueError(
+                "outer.fgd.mix1_delta = True: the checkpoint holds no Mix1 anchor (it was written "
+                "without mix1_delta); resume with outer.fgd.mix1_delta = false"
+            )
+        self._anchor = [a.clone() for a in anchor] if self.mix1_delta and anchor else None
         self._late = None
         correction = state.get("mix2_correction") if own else None
         self._correction = [c.clone() for c in correction] if correction else None
