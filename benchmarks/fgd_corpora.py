@@ -48,6 +48,7 @@ SOURCES = {  # snapshot name -> (source directory, suffixes read there)
     "include": (Path("/usr/include"), None),
 }
 TUNED_ON = "stdlib"
+MIX1_DELTA_4BIT = ["outer.fgd.mix1_delta=true", "outer.param_codec='e3m0'"]
 METHODS = {  # name -> (example config, extra overrides)
     "diloco": ("diloco", []),
     "streaming": ("streaming", []),
@@ -60,6 +61,10 @@ METHODS = {  # name -> (example config, extra overrides)
         "fgd_globalm1_localm2_int8",
         ["outer.param_codec='bf16'"],
     ),
+    # Mix1 coded as each worker's update against the last Mix1 mean, in 4 bits with error
+    # feedback (outer.fgd.mix1_delta): an eighth of fp32's bytes. Mix2 in int8, or in 4 bits too.
+    "GlobalM1LocalM2-int8-d4": ("fgd_globalm1_localm2_int8", MIX1_DELTA_4BIT),
+    "GlobalM1LocalM2-4bit": ("fgd_globalm1_localm2_int8", [*MIX1_DELTA_4BIT, "outer.codec='e3m0'"]),
     "subset": ("fgd_subset", []),
     "subset-late": ("fgd_subset", ["outer.fgd.mix2_overlap=true"]),
     "gossip": ("fgd_gossip", []),  # Mix1 on the exponential graph, Mix2 on pairs: no collective

@@ -1376,6 +1376,12 @@ TABLES = {
     "time-to-loss-past-plan": _plan("time_to_loss_past_h10.json"),
     "time-to-loss-rest-plan": _plan("time_to_loss_past_h10_rest.json"),
     "time-to-loss-past-r1-slow-plan": _plan("time_to_loss_past_h10_r1_slow.json"),
+    "time-to-loss-mix1-delta-links": _time_to_loss("time_to_loss_mix1_delta.json", links_table),
+    "time-to-loss-mix1-delta": _time_to_loss("time_to_loss_mix1_delta.json", time_to_loss_table),
+    "time-to-loss-mix1-delta-plan": _plan("time_to_loss_mix1_delta.json"),
+    "mix1-delta-corpora": Table(
+        "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
+    ),
     "mix1-bf16-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_base_mix1bf16.json",), fgd_corpora
     ),

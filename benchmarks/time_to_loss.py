@@ -51,6 +51,7 @@ from frugaltrain.metrics.log import read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BASELINE = "diloco"
+MIX1_DELTA_4BIT = ["outer.fgd.mix1_delta=true", "outer.param_codec='e3m0'"]
 METHODS = {  # name -> (example config, extra overrides)
     "diloco": ("diloco", []),
     "diloco-int8": ("diloco", ["outer.codec='int8'"]),
@@ -63,6 +64,10 @@ METHODS = {  # name -> (example config, extra overrides)
     # The same with Mix1's parameters in bf16: half Mix1's bytes, for links where its
     # all-reduce outlasts a round of compute.
     "GlobalM1LocalM2-int8-bf16": ("fgd_globalm1_localm2_int8", ["outer.param_codec='bf16'"]),
+    # Mix1 coded as each worker's update against the last Mix1 mean, in 4 bits with error
+    # feedback (outer.fgd.mix1_delta): an eighth of fp32's bytes. Mix2 in int8, or in 4 bits too.
+    "GlobalM1LocalM2-int8-d4": ("fgd_globalm1_localm2_int8", MIX1_DELTA_4BIT),
+    "GlobalM1LocalM2-4bit": ("fgd_globalm1_localm2_int8", [*MIX1_DELTA_4BIT, "outer.codec='e3m0'"]),
     "subset": ("fgd_subset", []),
     "ddp": ("ddp", []),
 }
@@ -408,7 +413,11 @@ def outer_table(method: str, sets: list[str] = ()) -> dict:
     return provenance.outer_table(*overrides(method, list(sets)))
 
 
-PENALTY_FILES = ("time_to_loss_past_h10.json", "time_to_loss_past_h10_rest.json")
+PENALTY_FILES = (
+    "time_to_loss_past_h10.json",
+    "time_to_loss_past_h10_rest.json",
+    "time_to_loss_mix1_delta.json",
+)
 """The results the planner's penalties come from (under benchmarks/results/), in order: a method
 measured in more than one takes the first's. Every method at DiLoCo's outer step for H = 10
 (lr 1.0, momentum 0), the others running past DiLoCo's steps (--steps-x 1.5)."""

@@ -46,6 +46,8 @@ AUTO_METHODS = (
     "GlobalM1",
     "GlobalM1LocalM2",
     "GlobalM1LocalM2-int8",
+    "GlobalM1LocalM2-int8-d4",
+    "GlobalM1LocalM2-4bit",
     "subset",
     "ddp",
 )
