@@ -1379,6 +1379,13 @@ TABLES = {
     "time-to-loss-mix1-delta-links": _time_to_loss("time_to_loss_mix1_delta.json", links_table),
     "time-to-loss-mix1-delta": _time_to_loss("time_to_loss_mix1_delta.json", time_to_loss_table),
     "time-to-loss-mix1-delta-plan": _plan("time_to_loss_mix1_delta.json"),
+    "time-to-loss-mix1-delta-r1-slow-links": _time_to_loss(
+        "time_to_loss_mix1_delta_r1_slow.json", links_table
+    ),
+    "time-to-loss-mix1-delta-r1-slow": _time_to_loss(
+        "time_to_loss_mix1_delta_r1_slow.json", time_to_loss_table
+    ),
+    "time-to-loss-mix1-delta-r1-slow-plan": _plan("time_to_loss_mix1_delta_r1_slow.json"),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
