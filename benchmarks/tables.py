@@ -1386,6 +1386,9 @@ TABLES = {
         "time_to_loss_mix1_delta_r1_slow.json", time_to_loss_table
     ),
     "time-to-loss-mix1-delta-r1-slow-plan": _plan("time_to_loss_mix1_delta_r1_slow.json"),
+    "time-to-loss-llama-links": _time_to_loss("time_to_loss_llama_mix1_delta.json", links_table),
+    "time-to-loss-llama": _time_to_loss("time_to_loss_llama_mix1_delta.json", time_to_loss_table),
+    "time-to-loss-llama-plan": _plan("time_to_loss_llama_mix1_delta.json"),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
