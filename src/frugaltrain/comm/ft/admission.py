@@ -95,10 +95,16 @@ class Admission:
         has since re-formed (a failure) takes part in no admission at this round end."""
         world = self.world
         key = keys.round_decision(round_idx)
-        if not world.has(key):
-            admit = self._admission_due(round_idx)
-            world.store.compare_set(key, "", f"{int(admit)}@{world.epoch}")
-        return world.store.get(key).decode() == f"1@{world.epoch}"
+
+        def decide() -> bool:
+            if not world.has(key):
+                admit = self._admission_due(round_idx)
+                world.store.compare_set(key, "", f"{int(admit)}@{world.epoch}")
+            return world.store.get(key).decode() == f"1@{world.epoch}"
+
+        # The store lost here (the coordinator gone at this very round end): nobody admits;
+        # the next round end's all-reduce finds the store lost everywhere and stops the run.
+        return world.guarded(decide, False)
 
     def _admission_due(self, round_idx: int) -> bool:
         """Whether a worker waits on the wait list. With shards, one decision for every shard
