@@ -523,7 +523,8 @@ def plan_cases(record: dict, pen: dict | None = None) -> list[dict]:
                  if (got := [x for x in a["ratios"] if x is not None])}  # fmt: skip
         fastest = min(means, key=means.get)
         out.append({"case": name, "rates": case["rates_mbit"], "step_s": step.seconds,
-                    "rows": rows, "pick": plan.pick, "fastest": fastest})  # fmt: skip
+                    "rows": rows, "pick": plan.pick, "near_tie": plan.near_tie,
+                    "fastest": fastest})  # fmt: skip
     return out
 
 
@@ -537,18 +538,28 @@ def plan_table(record: dict, pen: dict | None = None) -> str:
     if key in _PLAN_TABLES:
         return _PLAN_TABLES[key]
     lines = [
-        "| case | method | plan, x DiLoCo (estimated) | measured, x DiLoCo (mean, min-max "
-        "over seeds) | simulator, x DiLoCo (seed 0) | plan's pick / measured fastest |",
+        "| case | method | plan, x DiLoCo (estimated; fastest-slowest seed's penalty) "
+        "| measured, x DiLoCo (mean, min-max over seeds) | simulator, x DiLoCo (seed 0) "
+        "| plan's pick / measured fastest |",
         "|---|---|---|---|---|---|",
     ]
     for c in plan_cases(record, pen):
         for r, a in c["rows"]:
             plan = f"{r.ratio:.2f}" if r.ratio is not None else "-"
+            if r.seeds_ratio is not None:
+                lo, hi = r.seeds_ratio
+                plan += f" ({lo:.2f}-{'not reached' if hi is None else f'{hi:.2f}'})"
             if r.steps_fraction is None:
                 plan = "not reached"
             sim = ", ".join("-" if x is None else f"{x:.2f}" for x in a["sim_ratio"]) or "-"
             marks = [
-                w for w, m in (("pick", c["pick"]), ("fastest", c["fastest"])) if m == r.method
+                w
+                for w, m in (
+                    ("pick", c["pick"]),
+                    ("near tie", c["near_tie"]),
+                    ("fastest", c["fastest"]),
+                )
+                if m == r.method
             ]
             lines.append(f"| {c['case']} | {r.method} | {plan} | {_fmt_ratios(a['ratios'])} "
                          f"| {sim} | {' / '.join(marks)} |")  # fmt: skip
@@ -563,6 +574,8 @@ def check_against(record: dict, pen: dict | None = None) -> str:
     for c in plan_cases(record, pen):
         rates = "/".join(f"{x:g}" for x in c["rates"])
         same = "the same" if c["pick"] == c["fastest"] else "not the same"
+        if c["near_tie"]:
+            same += f"; a near tie with {c['near_tie']} over the seeds"
         lines.append(f"{c['case']}: links {rates} Mbit/s, step {c['step_s']:.4f} s: pick "
                      f"{c['pick']}, measured fastest {c['fastest']} ({same})")  # fmt: skip
     return "\n".join(lines)

@@ -144,10 +144,10 @@ def test_the_table_labels_every_figure(make_config):
     header = next(line for line in lines if line.startswith("| method"))
     for column in ("U (simulated)", "s (simulated)", "x DiLoCo's (measured)"):
         assert column in header
-    assert header.count("(estimated)") == 2
+    assert header.count("(estimated)") == 3
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
     assert [r.split(" | ")[0][2:] for r in rows] == list(AUTO_METHODS)
-    assert "| 1.00 (3/3 seeds) |" in rows[0] and rows[0].endswith("| 1.00 |")  # DiLoCo itself
+    assert "| 1.00 (3/3 seeds) |" in rows[0] and rows[0].endswith("| 1.00 | 1.00-1.00 |")
     assert lines[-1].startswith("pick: ") and "shortest estimated time" in lines[-1]
 
 
@@ -182,6 +182,45 @@ def test_a_method_past_diloco_steps_is_timed_past_them(make_config, monkeypatch)
     c = clock(method_config(cfg, outer, math.ceil(1.5 * cfg.run.steps / H) * H), sim)
     assert row.clock_s == c.at_step(cfg.run.steps) < row.time_s
     assert row.time_s == c.at_step(1.5 * cfg.run.steps)
+
+
+def test_each_estimate_lies_between_its_fastest_and_slowest_seed(make_config):
+    """The packaged penalties' seeds bracket each method's estimate; a seed that never reached
+    DiLoCo's loss leaves the top open."""
+    p = _plan(make_config)
+    pen = load_penalties()["methods"]
+    for r in p.rows:
+        if r.time_s is None:
+            assert r.seeds_s is None and r.seeds_ratio is None
+            continue
+        lo, hi = r.seeds_s
+        every_seed = all(isinstance(v, float) for v in pen[r.method]["seeds"].values())
+        assert lo <= r.time_s and (hi >= r.time_s if every_seed else hi is None)
+        assert r.seeds_ratio[0] == pytest.approx(lo / p.rows[0].time_s)
+    assert plan_json(p)["methods"][0]["x_diloco_seeds_estimated"] == (1.0, 1.0)
+
+
+def _timed(method: str, time_s: float, seeds_s: tuple) -> planner.Row:
+    return planner.Row(
+        method, "diloco", True, util=0.5, clock_s=time_s, steps_fraction=1.0, seeds="3/3",
+        time_s=time_s, ratio=time_s / 100, seeds_s=seeds_s,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "tie"),
+    [
+        ((9.0, 12.0), (11.0, 14.0), True),
+        ((9.0, 12.0), (13.0, 14.0), False),
+        ((9.0, None), (50.0, 60.0), True),  # the pick's slowest seed never got there
+        ((9.0, 10.0), (5.0, None), True),
+    ],
+)
+def test_a_near_tie_is_said_and_a_clear_lead_is_not(first, second, tie):
+    ranked = [_timed("a", 10.0, first), _timed("b", 12.0, second)]
+    reason = planner._reason(ranked)
+    assert reason.startswith("the shortest estimated time to DiLoCo's loss, 10 s")
+    assert ("a near tie" in reason) == tie
 
 
 def test_the_pick_is_among_the_methods_asked_for_and_diloco_is_the_reference(make_config):
@@ -411,7 +450,13 @@ def test_check_against_the_measurements_prints_every_case():
     bench = _benchmark()
     record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())
     lines = bench.check_against(record).splitlines()
-    assert lines[0].startswith("| case | method | plan, x DiLoCo (estimated) | measured")
+    assert lines[0].startswith("| case | method | plan, x DiLoCo (estimated; fastest-slowest")
     picks = [line for line in lines if ": pick " in line]
     assert [line.split(":")[0] for line in picks] == list(record["cases"])
     assert all("measured fastest" in line for line in picks)
+    for case in bench.plan_cases(record):  # a near tie is named in the table and after it
+        tie = case["near_tie"]
+        line = next(p for p in picks if p.startswith(f"{case['case']}:"))
+        assert (f"a near tie with {tie}" in line) if tie else ("near tie" not in line)
+        row = f"| {case['case']} | {tie} | "
+        assert not tie or "near tie" in next(x for x in lines if x.startswith(row))

@@ -14,7 +14,9 @@ Per method (config.AUTO_METHODS: the examples' [outer] tables, with this config'
                    packaged penalties.json says on which corpus, tuned on which)
     time to loss   estimated: the clock at that fraction of run.steps, and its ratio to DiLoCo's
 
-The pick is the method with the shortest estimated time. A method that never reached DiLoCo's
+The pick is the method with the shortest estimated time. Each method's estimate is also given at
+its fastest and its slowest measured seed; where the pick's and the next method's overlap, the
+reason says it is a near tie that the penalties cannot break. A method that never reached DiLoCo's
 loss in the measurements gets no estimate, and one this config cannot run (e.g. ddp with FORGE)
 says why. Evaluations are not counted (they cost every method the same).
 """
@@ -239,6 +241,11 @@ class Row:
     """Estimated seconds to DiLoCo's final loss."""
     ratio: float | None = None
     """time_s over DiLoCo's."""
+    seeds_s: tuple[float, float | None] | None = None
+    """Estimated seconds at the fastest and the slowest seed's penalty; None at the top: a seed
+    never reached DiLoCo's loss."""
+    seeds_ratio: tuple[float, float | None] | None = None
+    """seeds_s over DiLoCo's time."""
     note: str = ""
 
 
@@ -254,14 +261,18 @@ class Plan:
     rows: list[Row]
     pick: str | None
     reason: str
+    near_tie: str | None = None
+    """The next method, where its estimates over the measured seeds overlap the pick's."""
 
 
 def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool) -> Row:
     row = Row(name, entry["outer"]["strategy"], pick, seeds=entry["reached"])
+    per_seed = _seed_fractions(entry)
     # A method that needed more than DiLoCo's steps: its clock runs on past run.steps, in
-    # whole rounds.
+    # whole rounds, to its slowest seed.
     H = cfg.outer.H
-    steps = math.ceil(max(1.0, entry["steps_fraction"] or 1.0) * cfg.run.steps / H) * H
+    longest = max([1.0, entry["steps_fraction"] or 1.0, *(f for f in per_seed if f)])
+    steps = math.ceil(longest * cfg.run.steps / H) * H
     try:
         mcfg = method_config(cfg, entry["outer"], steps)
         sim = SimSection(
@@ -279,7 +290,15 @@ def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick
         row.note = f"never reached DiLoCo's loss in the measurements ({entry['reached']} seeds)"
     else:
         row.time_s = c.at_step(row.steps_fraction * cfg.run.steps)
+        at = lambda f: None if f is None else c.at_step(f * cfg.run.steps)  # noqa: E731
+        reached = [f for f in per_seed if f is not None] or [row.steps_fraction]
+        row.seeds_s = (at(min(reached)), at(max(reached)) if None not in per_seed else None)
     return row
+
+
+def _seed_fractions(entry: dict) -> list[float | None]:
+    """Each measured seed's step penalty; None for a seed that never reached DiLoCo's loss."""
+    return [v if isinstance(v, int | float) else None for v in entry.get("seeds", {}).values()]
 
 
 def make_plan(
@@ -306,11 +325,15 @@ def make_plan(
     for r in rows:
         if r.time_s is not None and base.time_s:
             r.ratio = r.time_s / base.time_s
+            lo, hi = r.seeds_s
+            r.seeds_ratio = (lo / base.time_s, None if hi is None else hi / base.time_s)
     ranked = sorted((r for r in rows if r.candidate and r.time_s is not None), key=_time)
     meta = {k: v for k, v in pen.items() if k != "methods"}
     plan = Plan(cfg.run.workers, cfg.run.steps, cfg.outer.H, step, links, meta, rows, None, "")
     plan.pick = ranked[0].method if ranked else None
     plan.reason = _reason(ranked)
+    if len(ranked) > 1 and _overlap(ranked[0], ranked[1]):
+        plan.near_tie = ranked[1].method
     return plan
 
 
@@ -332,7 +355,26 @@ def _reason(ranked: list[Row]) -> str:
         nxt = ranked[1]
         ratio = f"{nxt.ratio:.2f}x" if nxt.ratio is not None else f"{nxt.time_s:.4g} s"
         why += f"; next {nxt.method} at {ratio}"
+        if _overlap(best, nxt):
+            why += (
+                f"; a near tie: over the measured seeds {best.method} takes "
+                f"{_span(best.seeds_s)} s and {nxt.method} {_span(nxt.seeds_s)} s, which "
+                "overlap, so the penalties cannot rank the two"
+            )
     return why
+
+
+def _overlap(a: Row, b: Row) -> bool:
+    """Whether two rows' estimates over the measured seeds overlap (an open top overlaps)."""
+    (a_lo, a_hi), (b_lo, b_hi) = a.seeds_s, b.seeds_s
+    return (a_hi is None or b_lo <= a_hi) and (b_hi is None or a_lo <= b_hi)
+
+
+def _span(lo_hi: tuple[float, float | None] | None, fmt: str = ".4g") -> str:
+    if lo_hi is None:
+        return "-"
+    lo, hi = lo_hi
+    return f"{lo:{fmt}}-" + ("not reached" if hi is None else f"{hi:{fmt}}")
 
 
 # ---------------------------------------------------------------- the table and the JSON
@@ -357,8 +399,8 @@ def format_plan(plan: Plan) -> str:
         "",
         "| method | U (simulated) | clock of run.steps, s (simulated) "
         "| steps to DiLoCo's loss, x DiLoCo's (measured) | time to DiLoCo's loss, s (estimated) "
-        "| x DiLoCo (estimated) |",
-        "|---|---|---|---|---|---|",
+        "| x DiLoCo (estimated) | x DiLoCo, fastest-slowest seed (estimated) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in p.rows:
         name = r.method if r.candidate else f"{r.method} (reference)"
@@ -366,7 +408,7 @@ def format_plan(plan: Plan) -> str:
         frac += f" ({r.seeds} seeds)"
         lines.append(
             f"| {name} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
-            f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} |"
+            f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} | {_span(r.seeds_ratio, '.2f')} |"
         )
     lines += [f"{r.method}: {r.note}" for r in p.rows if r.note.startswith("not for")]
     lines.append(f"pick: {p.pick or '-'}: {p.reason}")
@@ -390,6 +432,7 @@ def plan_json(plan: Plan) -> dict:
             "seeds_reached": r.seeds,
             "time_to_loss_s_estimated": r.time_s,
             "x_diloco_estimated": r.ratio,
+            "x_diloco_seeds_estimated": r.seeds_ratio,
             "note": r.note,
         }
         for r in plan.rows
@@ -403,6 +446,7 @@ def plan_json(plan: Plan) -> dict:
         "penalties": plan.penalties,
         "methods": rows,
         "pick": plan.pick,
+        "near_tie": plan.near_tie,
         "reason": plan.reason,
     }
 
