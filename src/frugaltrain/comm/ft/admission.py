@@ -67,13 +67,11 @@ class Admission:
     def at_round_end(self, round_idx: int, state_fn: Callable[[], dict]) -> None:
         """Admit restarted workers (same decision on every member) and send them this
         worker's state if it is the donor."""
-        world = self.world
         if self.logs:  # the joiners' own records, set before they took part in this round
-            for key in [k for k in self._records_due if world.has(k)]:
-                world.add_record(json.loads(world.store.get(key)))
-                self._records_due.remove(key)
+            self.world.guarded(self._collect_records, None)  # the store lost: left for later
         if not self._decided(round_idx):
             return
+        world = self.world
         self.oplog.finish_pending()  # the old epoch's operations end before the new one starts
         t0, old = time.monotonic(), list(world.members)
         rnd = world.rendezvous("admit")
@@ -87,6 +85,13 @@ class Admission:
             self._send_state(rnd, round_idx, state_fn)
         world.event("joined", workers=rnd.joiners, donor=rnd.donor)
         self._records_due += [keys.record(t) for t in rnd.tokens]
+
+    def _collect_records(self) -> None:
+        """Log the joiners' own records that they have set (each once)."""
+        world = self.world
+        for key in [k for k in self._records_due if world.has(k)]:
+            world.add_record(json.loads(world.store.get(key)))
+            self._records_due.remove(key)
 
     def _decided(self, round_idx: int) -> bool:
         """Whether the members re-rendezvous at this round end. The first member here decides,
