@@ -220,8 +220,10 @@ def main() -> int:
             "figures": "final validation loss (the simulator trains the real model; no clock)",
             "methods": args.methods.split(","),
             "examples": {m: f"examples/{METHODS[m][0]}.toml" for m in args.methods.split(",")},
-            "outer_tables": {
-                m: provenance.outer_table(ROOT / f"examples/{METHODS[m][0]}.toml", METHODS[m][1])
+            "outer_tables": {  # as the runs get them: --set, then the method's own
+                m: provenance.outer_table(
+                    ROOT / f"examples/{METHODS[m][0]}.toml", [*args.set, *METHODS[m][1]]
+                )
                 for m in args.methods.split(",")
             },
             "models": {m: MODELS[m] for m in args.models.split(",")},
