@@ -1141,6 +1141,17 @@ def _corpora_runs(files: list[dict]) -> dict[tuple[str, str, int], dict]:
 OUTER_STEP = ("outer.lr", "outer.momentum")  # the overrides that make a method's outer step
 
 
+def _outer_step(sets: list[str]) -> list[str]:
+    """The outer-step overrides of a run, as KEY=VALUE without "outer.", each key once (its
+    last value: a method's own override after the file's --set), in the order they first came."""
+    last = {s.split("=")[0]: s for s in sets if s.split("=")[0] in OUTER_STEP}
+    return [
+        last[k].removeprefix("outer.")
+        for k in dict.fromkeys(s.split("=")[0] for s in sets)
+        if k in last
+    ]
+
+
 def fgd_outer_choice(
     corpus: str, groups: tuple[tuple[str, ...], ...]
 ) -> Callable[[list[dict]], str]:
@@ -1165,7 +1176,7 @@ def fgd_outer_choice(
                 means[m] = (statistics.mean(xs), xs)
             best = min(means, key=lambda m: means[m][0])
             for m, (mean, xs) in means.items():
-                step = [s.removeprefix("outer.") for s in sets[m] if s.split("=")[0] in OUTER_STEP]
+                step = _outer_step(runs[(m, corpus, seeds[0])].get("sets", sets[m]))
                 shipped = f"lr={outer[m]['lr']}, momentum={outer[m]['momentum']} (shipped then)"
                 cells = [f"{x:.4f}" for x in xs] + [f"{mean:.4f}"]
                 if m == best:
@@ -1252,6 +1263,24 @@ RETUNE_ALL_PAIRS = tuple((pick, "diloco-m0-lr1.26") for pick, _ in RETUNE_ALL_PI
 STREAMING_GRID_H10 = (  # Streaming's own step at H = 10 beside DiLoCo's (its H = 10 pick: lr 1.0)
     ("diloco", "diloco-m0-lr1.0"),
     ("streaming-m0-lr1.0", "streaming-m0-lr1.26", "streaming-m0-lr1.6"),
+)
+EVERY_H10_FILES = (  # every method's own step at H = 10 (momentum 0), and the probes beside it
+    "fgd_retune_all_grid_h10.json",
+    "fgd_h10_probes.json",
+    "fgd_corpora_h10_mix1_delta.json",  # the int8 flagship at lr 1.0, on the same machine
+)
+EVERY_H10_GRID = (
+    ("diloco", "diloco-lr0.8"),
+    *(
+        tuple(f"{m}-lr{lr}" for lr in ("0.8", "1.0", "1.26"))
+        for m in ("streaming", "noloco", "subset", "GlobalM1LocalM2-4bit")
+    ),
+    ("GlobalM1-lr0.6", "GlobalM1-lr0.8", "GlobalM1-lr1.0", "GlobalM1-lr1.26"),
+    ("GlobalM1LocalM2-int8-lr0.8", "GlobalM1LocalM2-int8"),
+)
+EVERY_H10_PROBES = (  # other settings at lr 1.0: Streaming's overlap, FGD's Mix2 one round late
+    ("streaming-lr1.0", "streaming-overlap2", "streaming-overlap3"),
+    ("GlobalM1LocalM2-4bit-lr1.0", "GlobalM1LocalM2-4bit-late"),
 )
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
@@ -1389,6 +1418,8 @@ TABLES = {
     "time-to-loss-llama-links": _time_to_loss("time_to_loss_llama_mix1_delta.json", links_table),
     "time-to-loss-llama": _time_to_loss("time_to_loss_llama_mix1_delta.json", time_to_loss_table),
     "time-to-loss-llama-plan": _plan("time_to_loss_llama_mix1_delta.json"),
+    "time-to-loss-own-links": _time_to_loss("time_to_loss_own_steps_h10.json", links_table),
+    "time-to-loss-own": _time_to_loss("time_to_loss_own_steps_h10.json", time_to_loss_table),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
@@ -1446,6 +1477,12 @@ TABLES = {
         "docs/results/time_to_loss.md",
         ("fgd_streaming_grid_h10.json",),
         fgd_outer_choice("stdlib", STREAMING_GRID_H10),
+    ),
+    "fgd-every-h10-choice": Table(
+        "docs/results/fgd.md", EVERY_H10_FILES, fgd_outer_choice("stdlib", EVERY_H10_GRID)
+    ),
+    "fgd-every-h10-probes": Table(
+        "docs/results/fgd.md", EVERY_H10_FILES, fgd_outer_choice("stdlib", EVERY_H10_PROBES)
     ),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)

@@ -57,6 +57,10 @@ METHODS = {  # name -> (example config, extra overrides)
     "diloco-int8": ("diloco", ["outer.codec='int8'"]),
     "diloco-e3m0": ("diloco", ["outer.codec='e3m0'"]),  # Streaming's 4-bit codec, whole model
     "streaming": ("streaming", []),
+    # Each fragment's all-reduce overlapping 2 or 3 inner steps instead of 1: more time to hide
+    # it, one or two more steps of staleness.
+    "streaming-overlap2": ("streaming", ["outer.streaming.overlap=2"]),
+    "streaming-overlap3": ("streaming", ["outer.streaming.overlap=3"]),
     "noloco": ("noloco", []),
     "GlobalM1": ("fgd_globalm1", []),
     "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
@@ -68,6 +72,12 @@ METHODS = {  # name -> (example config, extra overrides)
     # feedback (outer.fgd.mix1_delta): an eighth of fp32's bytes. Mix2 in int8, or in 4 bits too.
     "GlobalM1LocalM2-int8-d4": ("fgd_globalm1_localm2_int8", MIX1_DELTA_4BIT),
     "GlobalM1LocalM2-4bit": ("fgd_globalm1_localm2_int8", [*MIX1_DELTA_4BIT, "outer.codec='e3m0'"]),
+    # The same at its own H = 10 pick, lr 0.8 (docs/results/fgd.md, "Every method's outer step
+    # at H = 10"); the method's override comes after --set.
+    "GlobalM1LocalM2-4bit-lr0.8": (
+        "fgd_globalm1_localm2_int8",
+        [*MIX1_DELTA_4BIT, "outer.codec='e3m0'", "outer.lr=0.8"],
+    ),
     "subset": ("fgd_subset", []),
     "ddp": ("ddp", []),
 }
