@@ -1481,6 +1481,9 @@ TABLES = {
     "fgd-every-h10-choice": Table(
         "docs/results/fgd.md", EVERY_H10_FILES, fgd_outer_choice("stdlib", EVERY_H10_GRID)
     ),
+    "fgd-every-h10-report": Table(
+        "docs/results/fgd.md", ("fgd_every_h10_report.json",), fgd_corpora
+    ),
     "fgd-every-h10-probes": Table(
         "docs/results/fgd.md", EVERY_H10_FILES, fgd_outer_choice("stdlib", EVERY_H10_PROBES)
     ),
