@@ -1144,12 +1144,8 @@ OUTER_STEP = ("outer.lr", "outer.momentum")  # the overrides that make a method'
 def _outer_step(sets: list[str]) -> list[str]:
     """The outer-step overrides of a run, as KEY=VALUE without "outer.", each key once (its
     last value: a method's own override after the file's --set), in the order they first came."""
-    last = {s.split("=")[0]: s for s in sets if s.split("=")[0] in OUTER_STEP}
-    return [
-        last[k].removeprefix("outer.")
-        for k in dict.fromkeys(s.split("=")[0] for s in sets)
-        if k in last
-    ]
+    last = {k: s for s in sets if (k := s.split("=")[0]) in OUTER_STEP}
+    return [s.removeprefix("outer.") for s in last.values()]
 
 
 def fgd_outer_choice(
@@ -1162,7 +1158,6 @@ def fgd_outer_choice(
 
     def render(files: list[dict]) -> str:
         runs = _corpora_runs(files)
-        sets = {m: s for f in files for m, s in f["variants"].items()}
         outer = {m: t for f in files for m, t in f["outer_tables"].items()}
         seeds = sorted({s for _, c, s in runs if c == corpus})
         lines = [
@@ -1176,7 +1171,7 @@ def fgd_outer_choice(
                 means[m] = (statistics.mean(xs), xs)
             best = min(means, key=lambda m: means[m][0])
             for m, (mean, xs) in means.items():
-                step = _outer_step(runs[(m, corpus, seeds[0])].get("sets", sets[m]))
+                step = _outer_step(runs[(m, corpus, seeds[0])]["sets"])
                 shipped = f"lr={outer[m]['lr']}, momentum={outer[m]['momentum']} (shipped then)"
                 cells = [f"{x:.4f}" for x in xs] + [f"{mean:.4f}"]
                 if m == best:

@@ -544,6 +544,8 @@ _PLAN_TABLES: dict[str, str] = {}  # tables.py renders every table once per chec
 def plan_table(record: dict, pen: dict | None = None) -> str:
     """`plan_cases` as one table: the pick column marks the plan's pick and the measured
     fastest."""
+    from frugaltrain.sim.plan import seed_span
+
     key = json.dumps([record, pen], sort_keys=True)
     if key in _PLAN_TABLES:
         return _PLAN_TABLES[key]
@@ -557,8 +559,7 @@ def plan_table(record: dict, pen: dict | None = None) -> str:
         for r, a in c["rows"]:
             plan = f"{r.ratio:.2f}" if r.ratio is not None else "-"
             if r.seeds_ratio is not None:
-                lo, hi = r.seeds_ratio
-                plan += f" ({lo:.2f}-{'not reached' if hi is None else f'{hi:.2f}'})"
+                plan += f" ({seed_span(r.seeds_ratio, '.2f')})"
             if r.steps_fraction is None:
                 plan = "not reached"
             sim = ", ".join("-" if x is None else f"{x:.2f}" for x in a["sim_ratio"]) or "-"

@@ -290,7 +290,7 @@ def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick
         row.note = f"never reached DiLoCo's loss in the measurements ({entry['reached']} seeds)"
     else:
         row.time_s = c.at_step(row.steps_fraction * cfg.run.steps)
-        at = lambda f: None if f is None else c.at_step(f * cfg.run.steps)  # noqa: E731
+        at = lambda f: c.at_step(f * cfg.run.steps)  # noqa: E731
         reached = [f for f in per_seed if f is not None] or [row.steps_fraction]
         row.seeds_s = (at(min(reached)), at(max(reached)) if None not in per_seed else None)
     return row
@@ -358,7 +358,7 @@ def _reason(ranked: list[Row]) -> str:
         if _overlap(best, nxt):
             why += (
                 f"; a near tie: over the measured seeds {best.method} takes "
-                f"{_span(best.seeds_s)} s and {nxt.method} {_span(nxt.seeds_s)} s, which "
+                f"{seed_span(best.seeds_s)} s and {nxt.method} {seed_span(nxt.seeds_s)} s, which "
                 "overlap, so the penalties cannot rank the two"
             )
     return why
@@ -370,7 +370,8 @@ def _overlap(a: Row, b: Row) -> bool:
     return (a_hi is None or b_lo <= a_hi) and (b_hi is None or a_lo <= b_hi)
 
 
-def _span(lo_hi: tuple[float, float | None] | None, fmt: str = ".4g") -> str:
+def seed_span(lo_hi: tuple[float, float | None] | None, fmt: str = ".4g") -> str:
+    """A span over the measured seeds as text ("-" for none; an open top: "not reached")."""
     if lo_hi is None:
         return "-"
     lo, hi = lo_hi
@@ -408,7 +409,7 @@ def format_plan(plan: Plan) -> str:
         frac += f" ({r.seeds} seeds)"
         lines.append(
             f"| {name} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
-            f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} | {_span(r.seeds_ratio, '.2f')} |"
+            f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} | {seed_span(r.seeds_ratio, '.2f')} |"
         )
     lines += [f"{r.method}: {r.note}" for r in p.rows if r.note.startswith("not for")]
     lines.append(f"pick: {p.pick or '-'}: {p.reason}")
