@@ -38,6 +38,7 @@ from pathlib import Path
 
 import provenance
 
+from frugaltrain.config import ConfigError, load_config
 from frugaltrain.data.textfiles import list_files, select_text_files, stdlib_root
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,6 +212,12 @@ def main() -> int:
         args.methods = f"{BASELINE},{args.methods}"
     with tempfile.TemporaryDirectory() as tmp:
         jobs = jobs_of(args, tmp)
+        for config in {j["method"]: j for j in jobs}.values():  # bad overrides fail before any run
+            try:
+                load_config(ROOT / config["config"], config["sets"])
+            except ConfigError as e:
+                print(f"{config['method']}: {e}", file=sys.stderr)
+                return 2
         record = provenance.start(
             "simulated",
             variants={m: METHODS[m][1] for m in args.methods.split(",")},
