@@ -86,12 +86,14 @@ def save(record: dict, out: str | Path) -> None:
 
 
 def outer_table(config: str | Path, sets: list[str]) -> dict:
-    """The [outer] table a run of `config` with overrides `sets` gets, without H (each file
-    records its runs' H): what a variant's outer step was, even after its example changes."""
+    """The [outer] table a run of `config` with overrides `sets` gets: what a variant's outer
+    step was, even after its example changes. H only where `sets` give it (a variant at its own
+    H); otherwise the file records its runs' H, not the example's."""
     from frugaltrain.config.base import read_toml, with_overrides
 
     table = with_overrides(read_toml(config), sets)["outer"]
-    table.pop("H", None)
+    if not any(s.startswith("outer.H=") for s in sets):
+        table.pop("H", None)
     return table
 
 

@@ -1277,6 +1277,17 @@ EVERY_H10_PROBES = (  # other settings at lr 1.0: Streaming's overlap, FGD's Mix
     ("streaming-lr1.0", "streaming-overlap2", "streaming-overlap3"),
     ("GlobalM1LocalM2-4bit-lr1.0", "GlobalM1LocalM2-4bit-late"),
 )
+H5_FILES = ("fgd_h5_probe.json", "fgd_h5_probe_others.json")  # rounds twice as often
+H5_PAIRS = (  # each over DiLoCo at H = 10 (the links' baseline), then over DiLoCo at its own H
+    ("diloco-H5", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5-lr0.8", "diloco"),
+    ("GlobalM1-H5", "diloco"),
+    ("diloco-e3m0-H5", "diloco"),
+    ("streaming-H4", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5", "diloco-H5"),
+    ("diloco-e3m0-H5", "diloco-H5"),
+)
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1415,6 +1426,8 @@ TABLES = {
     "time-to-loss-llama-plan": _plan("time_to_loss_llama_mix1_delta.json"),
     "time-to-loss-own-links": _time_to_loss("time_to_loss_own_steps_h10.json", links_table),
     "time-to-loss-own": _time_to_loss("time_to_loss_own_steps_h10.json", time_to_loss_table),
+    "time-to-loss-h5-links": _time_to_loss("time_to_loss_h5.json", links_table),
+    "time-to-loss-h5": _time_to_loss("time_to_loss_h5.json", time_to_loss_table),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
@@ -1482,6 +1495,8 @@ TABLES = {
     "fgd-every-h10-probes": Table(
         "docs/results/fgd.md", EVERY_H10_FILES, fgd_outer_choice("stdlib", EVERY_H10_PROBES)
     ),
+    "fgd-h5-probe": Table("docs/results/fgd.md", H5_FILES, fgd_pair_ratios(H5_PAIRS)),
+    "fgd-h5-report": Table("docs/results/fgd.md", ("fgd_h5_report.json",), fgd_corpora),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
     ),

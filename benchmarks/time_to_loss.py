@@ -80,6 +80,15 @@ METHODS = {  # name -> (example config, extra overrides)
     ),
     "subset": ("fgd_subset", []),
     "ddp": ("ddp", []),
+    # At their own H, rounds twice as often as DiLoCo's (H = 10): in 4 bits a round's bytes are
+    # a quarter of DiLoCo's fp32 round per step; chosen on stdlib (docs/results/fgd.md, "Rounds
+    # twice as often").
+    "GlobalM1LocalM2-4bit-H5": (
+        "fgd_globalm1_localm2_int8",
+        [*MIX1_DELTA_4BIT, "outer.codec='e3m0'", "outer.H=5"],
+    ),
+    "diloco-e3m0-H5": ("diloco", ["outer.codec='e3m0'", "outer.H=5"]),
+    "streaming-H4": ("streaming", ["outer.H=4"]),  # its fragments must divide H
 }
 
 

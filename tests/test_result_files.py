@@ -107,6 +107,17 @@ def test_a_file_of_example_methods_keeps_each_ones_outer_table(path: Path):
     assert set(record.get("outer_tables", {})) == set(record["methods"])
 
 
+@pytest.mark.parametrize("path", _result_files(), ids=lambda p: p.name)
+def test_a_variant_at_its_own_H_keeps_it_in_its_outer_table(path: Path):
+    record = _load(path)
+    if not str(record.get("command", "")).startswith(OUTER_TABLE_SCRIPTS):
+        pytest.skip("its methods are not example configs")
+    for method, sets in record.get("variants", {}).items():
+        own = [s.removeprefix("outer.H=") for s in sets if s.startswith("outer.H=")]
+        if own:  # the file's H is not this method's
+            assert record["outer_tables"][method].get("H") == int(own[-1]), method
+
+
 def test_a_missing_or_wrong_field_is_caught():
     kinds = _kinds()
     good = {"command": "python benchmarks/x.py", "kind": "measured", "machine": {}, "date": "d"}
