@@ -1278,6 +1278,11 @@ EVERY_H10_PROBES = (  # other settings at lr 1.0: Streaming's overlap, FGD's Mix
     ("GlobalM1LocalM2-4bit-lr1.0", "GlobalM1LocalM2-4bit-late"),
 )
 H5_FILES = ("fgd_h5_probe.json", "fgd_h5_probe_others.json")  # rounds twice as often
+H4_OVERLAP_PAIRS = (  # Streaming at H = 4 as one fragment, overlapping 1 or 2 of its 4 steps
+    ("streaming-H4", "diloco"),
+    ("streaming-H4-f1", "diloco"),
+    ("streaming-H4-f1-overlap2", "diloco"),
+)
 H5_PAIRS = (  # each over DiLoCo at H = 10 (the links' baseline), then over DiLoCo at its own H
     ("diloco-H5", "diloco"),
     ("GlobalM1LocalM2-4bit-H5", "diloco"),
@@ -1497,6 +1502,11 @@ TABLES = {
     ),
     "fgd-h5-probe": Table("docs/results/fgd.md", H5_FILES, fgd_pair_ratios(H5_PAIRS)),
     "fgd-h5-report": Table("docs/results/fgd.md", ("fgd_h5_report.json",), fgd_corpora),
+    "fgd-h4-overlap-probe": Table(
+        "docs/results/fgd.md",
+        ("fgd_h5_probe_others.json", "fgd_h4_overlap_probe.json"),
+        fgd_pair_ratios(H4_OVERLAP_PAIRS),
+    ),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
     ),
