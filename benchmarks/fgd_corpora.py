@@ -208,6 +208,13 @@ def main() -> int:
         base, *sets = rest.split(",")
         METHODS[name] = (METHODS[base][0], [*METHODS[base][1], *sets])
         args.methods += f",{name}"
+    for corpus in args.names.split(","):
+        if not (Path(args.corpora) / corpus).is_dir():
+            where = Path(args.corpora) / corpus
+            print(
+                f"--corpora: no {where}; write it with --snapshot {args.corpora}", file=sys.stderr
+            )
+            return 2
     if BASELINE not in args.methods.split(","):
         args.methods = f"{BASELINE},{args.methods}"
     with tempfile.TemporaryDirectory() as tmp:
