@@ -119,6 +119,7 @@ def test_key_set_is_pinned():
             "mix1_weight",
             "mix2_momentum",
             "mix2_overlap",
+            "mix2_delay",
             "mix1_delta",
         ],
         "noloco": ["group_size", "consensus_pull"],
@@ -211,6 +212,28 @@ def test_toml_round_trip(tmp_path):
             ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_overlap=true"]
             + ["fault_tolerance.enabled=true"],
             "outer.fgd.mix2_overlap = True: the fault-tolerant runtime runs Mix2 blocking only",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2_delay=1"],
+            "outer.fgd.mix2_delay = 1: delays a Mix2; set mix2 or drop it",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_delay=-1"],
+            "outer.fgd.mix2_delay = -1: must be >= 0",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_delay=1"]
+            + ["outer.fgd.mix2_overlap=true"],
+            "outer.fgd.mix2_delay = 1: cannot be set with mix2_overlap",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.H=5", "outer.fgd.mix2_delay=5"],
+            "outer.fgd.mix2_delay = 5: must be below outer.H = 5 so Mix2 is sent inside its round",
+        ),
+        (
+            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_delay=1"]
+            + ["fault_tolerance.enabled=true"],
+            "outer.fgd.mix2_delay = 1: the fault-tolerant runtime runs Mix2 blocking only",
         ),
         (
             ["outer.strategy=fgd", "outer.fgd.mix1=ring", "outer.fgd.mix1_delta=true"],

@@ -103,6 +103,36 @@ def test_mix2_momentum_makes_pair_partners_equal(make_config):
     assert not same("false", 0, partner)
 
 
+def test_delayed_mix2_steps_with_the_early_delta_and_keeps_the_late_steps(make_config):
+    # One worker, Mix2 on the head only, sent 2 steps before the end of a 5-step round: the
+    # head steps with its Delta at the send and keeps the last 2 steps on top of the new x;
+    # the other tensors step with the whole round's Delta and restart from the new x.
+    model = build_model(make_config("model.n_layer=1"))
+    fgd = FactoredGossipDiLoCo(
+        model, LocalComm(), H=5, lr=0.5, momentum=0.0, mix2="pairs", mix2_params="head",
+        mix2_delay=2,
+    )  # fmt: skip
+    head = fgd.in_mix2
+    gen = torch.Generator().manual_seed(0)
+    for rnd in range(2):
+        x0 = [x.clone() for x in fgd.outer]
+        for step in range(5 * rnd, 5 * rnd + 5):
+            fgd.before_step(step)
+            with torch.no_grad():
+                for p in fgd.params:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+            if step == 5 * rnd + 2:
+                at_send = _params(model)
+            end = _params(model)
+            assert fgd.after_step(step + 1) == (step == 5 * rnd + 4)
+        for k, keep in enumerate(head):
+            delta = x0[k] - (at_send[k] if keep else end[k])
+            torch.testing.assert_close(fgd.outer[k], x0[k] - 0.5 * delta)
+            kept = end[k] - at_send[k] if keep else torch.zeros_like(end[k])
+            torch.testing.assert_close(fgd.params[k].detach(), fgd.outer[k] + kept)
+    assert any(head) and not all(head)
+
+
 def test_param_subsets_and_fragments(make_config):
     names = [n for n, _ in build_model(make_config("model.n_layer=3")).named_parameters()]
     chosen = dict(zip(names, select(names, "embed+head+blocks:1"), strict=True))
@@ -232,7 +262,12 @@ def _cases(factory, root: Path) -> list[tuple]:
         "outer.fgd.mix2_params='embed+head'",
         "run.checkpoint_every=1",
     )
-    for name, late in (("fgd", ()), ("fgd-late", ("outer.fgd.mix2_overlap=true",))):
+    moved = (
+        ("fgd", ()),
+        ("fgd-late", ("outer.fgd.mix2_overlap=true",)),
+        ("fgd-delay", ("outer.fgd.mix2_delay=2",)),
+    )
+    for name, late in moved:
         whole = job(f"{name}-full", *gossip, *late)
         part = job(f"{name}-part", *gossip, *late, "run.stop_at_round=2")
         ckpt = str(Path(part[2]) / "checkpoints" / "round_000002")
@@ -302,6 +337,16 @@ def test_fgd_late_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(gloo_r
         assert gloo_runs[rank]["fgd-late-full"][1] == gloo_runs[rank]["fgd-full"][1]
     late, blocking = gloo_runs[0]["fgd-late-full"][0], gloo_runs[0]["fgd-full"][0]
     assert not all(torch.equal(u, v) for u, v in zip(late, blocking, strict=True))
+
+
+def test_fgd_delayed_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(gloo_runs):
+    # Nothing is in flight at a round's end: the steps it keeps live in the model's parameters.
+    for rank in range(WORLD):
+        delayed = gloo_runs[rank]["fgd-delay-full"]
+        _assert_same(delayed[0], gloo_runs[rank]["fgd-delay-resumed"][0])
+        assert delayed[1] == gloo_runs[rank]["fgd-full"][1]
+    delayed, blocking = gloo_runs[0]["fgd-delay-full"][0], gloo_runs[0]["fgd-full"][0]
+    assert not all(torch.equal(u, v) for u, v in zip(delayed, blocking, strict=True))
 
 
 @pytest.mark.parametrize("case", ["mean-recursion", "mean-recursion-late"])

@@ -59,6 +59,12 @@ VARIANTS = {
         "outer.fgd.mix2_overlap=true",
         "run.steps=18",
     ),
+    "fgd-mix2-delay-momentum": (
+        "outer.strategy='fgd'",
+        "outer.fgd.mix2='pairs'",
+        "outer.fgd.mix2_delay=2",
+        "outer.fgd.mix2_momentum=true",
+    ),
     "streaming-no-overlap": (
         "outer.strategy='streaming'",
         "outer.streaming.fragments=2",
@@ -108,13 +114,16 @@ def test_clock_equals_the_simulator_with_stragglers_and_drops(make_config):
     assert c.sim_s == [r["time/sim_s"] for r in rounds]
 
 
-@pytest.mark.parametrize("mix2_overlap", ["false", "true"])
-def test_clock_equals_the_simulator_when_rounds_roll_back(make_config, mix2_overlap):
+MIX2_TIMINGS = ("outer.fgd.mix2_overlap=false", "outer.fgd.mix2_overlap=true")
+
+
+@pytest.mark.parametrize("mix2", [*MIX2_TIMINGS, "outer.fgd.mix2_delay=1"])
+def test_clock_equals_the_simulator_when_rounds_roll_back(make_config, mix2):
     # sim.allreduce_policy = rollback: a failed round restores every worker's state, its round
     # counter included (which draws the pairs), and the engine snapshots the state at each
     # round end, where fgd's state_dict waits for an overlapped Mix2.
     sets = ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'", "run.steps=36")
-    cfg = make_config(*TINY, *sets, f"outer.fgd.mix2_overlap={mix2_overlap}")
+    cfg = make_config(*TINY, *sets, mix2)
     sim = SimSection(step_s=0.05, drop_prob=0.1, allreduce_policy="rollback", **LINKS)
     rounds, summary, c = _engine_and_clock(cfg, sim)
     assert summary["faults"]["rollbacks"] > 0
@@ -182,6 +191,28 @@ def test_a_method_past_diloco_steps_is_timed_past_them(make_config, monkeypatch)
     c = clock(method_config(cfg, outer, math.ceil(1.5 * cfg.run.steps / H) * H), sim)
     assert row.clock_s == c.at_step(cfg.run.steps) < row.time_s
     assert row.time_s == c.at_step(1.5 * cfg.run.steps)
+
+
+def test_a_method_measured_at_its_own_H_plans_at_that_fraction_of_outer_H(make_config):
+    # DiLoCo in e3m0 ran at H = 5 against DiLoCo's 10: under outer.H = 6 it plans at 3, on the
+    # clock of a run at H = 3; Streaming at H = 4 (0.4 of 10) cannot end 30 steps on a round.
+    entry = load_penalties()["methods"]["diloco-e3m0-H5"]
+    assert entry["H_fraction"] == 0.5 and "H" not in entry["outer"]
+    cfg = make_config(*TINY)
+    rows = {r.method: r for r in _plan(make_config).rows}
+    assert rows["diloco"].H == 6 and rows["diloco-e3m0-H5"].H == 3 and rows["streaming-H4"].H == 2
+    links = links_given([2.0], cfg.run.workers)  # as _plan feeds it
+    sim = SimSection(step_s=0.05, bandwidth_bps=links.bandwidth_bps, p2p_bandwidth_ratio=1.0)
+    steps = math.ceil(max(1.0, *entry["seeds"].values()) * cfg.run.steps / 3) * 3
+    c = clock(method_config(cfg, entry["outer"], steps, H=3), sim)
+    assert rows["diloco-e3m0-H5"].clock_s == c.at_step(cfg.run.steps)
+    cfg = make_config(*TINY, "run.steps=30", "outer.H=10")
+    p = make_plan(cfg, links, StepTime(0.05, "measured (a test's figure)"))
+    rows = {r.method: r for r in p.rows}
+    assert rows["diloco-e3m0-H5"].H == 5 and rows["diloco-e3m0-H5"].time_s is not None
+    assert rows["streaming-H4"].time_s is None
+    assert "must be a multiple of outer.H = 4" in rows["streaming-H4"].note
+    assert "streaming-H4: not for this config" in format_plan(p)
 
 
 def test_each_estimate_lies_between_its_fastest_and_slowest_seed(make_config):
@@ -350,7 +381,8 @@ def test_auto_runs_the_pick_and_a_resumed_run_keeps_it(make_config, tmp_path, ca
     plan = json.loads((run_dir / "plan.json").read_text())
     pick = plan["pick"]
     assert cfg.outer.strategy in ("diloco", "fgd", "noloco", "streaming", "ddp")
-    table = {**load_penalties()["methods"][pick]["outer"], "H": 6}  # the example's, our H
+    entry = load_penalties()["methods"][pick]
+    table = {**entry["outer"], "H": planner.method_H(make_config(*sets), entry)}  # at its H
     assert cfg.outer == build_config(Config, {"outer": table, "run": {"steps": 12}}).outer
     logged = capsys.readouterr().out.splitlines()
     assert len(logged) == 1 and logged[0].startswith(f"outer.strategy = 'auto': running {pick}")

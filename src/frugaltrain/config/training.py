@@ -50,10 +50,16 @@ AUTO_METHODS = (
     "GlobalM1LocalM2-4bit",
     "subset",
     "ddp",
+    "GlobalM1LocalM2-4bit-H5",
+    "GlobalM1LocalM2-4bit-H5-d1",
+    "diloco-e3m0-H5",
+    "streaming-H4",
 )
 """The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: each an example
 config's [outer] (examples/) as benchmarks/time_to_loss.py measured it side by side;
-sim/penalties.json holds each one's [outer] table as measured and its measured step penalty."""
+sim/penalties.json holds each one's [outer] table as measured and its measured step penalty.
+The last four ran at their own H against DiLoCo's (H = 5 or 4 against 10, "-H5", "-H4") and plan
+at that fraction of outer.H."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
@@ -435,6 +441,12 @@ class FgdSection(Section):
     round late as a correction (each worker steps with its own fresh pseudo-gradient plus
     (W2 Delta)_i - Delta_i of the round before): no blocking Mix2, and the mean of the workers
     still follows DiLoCo exactly. The run's last round mixes at once."""
+    mix2_delay: int = 0
+    """tau: Mix2 is sent tau inner steps before the round's end, on the pseudo-gradient of the
+    steps so far, and runs while the worker takes the last tau steps; at the end each worker
+    steps with it and keeps those tau steps' progress on top of its new x_i, so they count in
+    the next round's pseudo-gradient (Streaming DiLoCo's overlap, with the local progress kept
+    instead of discarded). 0: Mix2 blocks at the round's end."""
     mix1_delta: bool = False
     """Mix1 sends x_i minus the last Mix1 mean (which every worker holds alike), with error
     feedback, instead of x_i: with a lossy outer.param_codec (int8, e3m0) it codes a round's
@@ -462,6 +474,14 @@ class FgdSection(Section):
                 not self.mix2_momentum,
                 "mix2_overlap",
                 "mixes pseudo-gradients only; set mix2_momentum = false or drop mix2_overlap",
+            )
+        self.at_least("mix2_delay", 0)
+        if self.mix2_delay:
+            self.require(self.mix2 != "none", "mix2_delay", "delays a Mix2; set mix2 or drop it")
+            self.require(
+                not self.mix2_overlap,
+                "mix2_delay",
+                "cannot be set with mix2_overlap (both move Mix2 off the round's end); keep one",
             )
         if self.mix1_delta:
             self.require(
@@ -615,6 +635,11 @@ class OuterSection(Section):
         )
         if self.strategy == "streaming":
             self._check_streaming_schedule()
+        self.fgd.require(
+            self.fgd.mix2_delay < self.H,
+            "mix2_delay",
+            f"must be below outer.H = {self.H} so Mix2 is sent inside its round",
+        )
         self.auto.require(
             self.strategy != "auto" or bool(self.auto.link_mbit or self.auto.link_json),
             "link_mbit",
@@ -905,6 +930,13 @@ def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> 
         True,
         "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_overlap = "
         "false or fault_tolerance.enabled = false",
+    )
+    require(
+        not (ft.enabled and o.strategy == "fgd" and o.fgd.mix2_delay),
+        "outer.fgd.mix2_delay",
+        o.fgd.mix2_delay,
+        "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_delay = 0 "
+        "or fault_tolerance.enabled = false",
     )
     require(
         not (ft.enabled and o.strategy == "fgd" and o.fgd.mix1_delta),

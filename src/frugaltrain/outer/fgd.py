@@ -25,6 +25,13 @@ The correction sums to zero over the workers (W2 doubly stochastic), so the mean
 DiLoCo exactly; only the workers' spread sees Mix2 one round late. The run's last round mixes
 at once, so nothing is in flight when it ends.
 
+mix2_delay tau sends Mix2 tau inner steps before the round's end instead of at it, as Streaming
+DiLoCo sends a fragment tau steps before it lands: Delta_i is taken there, the worker takes its
+last tau steps while Mix2 is on the wire, and at the round's end steps with the mix as above.
+Where Streaming replaces theta_i by the new x_i and so discards those tau steps, here the worker
+keeps them: theta_i <- x_i + (theta_i - theta_i at the send), and they count in the next round's
+Delta_i. Only those tau steps are stale (taken from the old trajectory), never a round's mix.
+
 mix1_delta codes Mix1 as DiLoCo codes its outer gradient. With a complete Mix1 every worker
 ends a Mix1 holding the same mean a, so it sends x_i - a (its last outer update, small, like a
 pseudo-gradient) with error feedback instead of x_i, and takes y = a + mean(sent): a lossy
@@ -61,6 +68,7 @@ class FactoredGossipDiLoCo(OuterRound):
         mix1_weight: alpha, the share of Mix1 a worker takes.
         mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
         mix2_overlap: Mix2 overlaps the next round and comes back as a correction (above).
+        mix2_delay: Mix2 is sent this many inner steps before the round's end (above).
         last_step: the run's last inner step (0: not known); with mix2_overlap the round that
             ends there mixes at once.
         param_codec: Mix1's encoding (a dense codec; "": outer.codec when dense, else fp32).
@@ -81,6 +89,7 @@ class FactoredGossipDiLoCo(OuterRound):
         mix1_weight: float = 1.0,
         mix2_momentum: bool = False,
         mix2_overlap: bool = False,
+        mix2_delay: int = 0,
         last_step: int = 0,
         param_codec: str = "",
         mix1_delta: bool = False,
@@ -95,6 +104,9 @@ class FactoredGossipDiLoCo(OuterRound):
         self.mix2_momentum = mix2_momentum
         self.mix2_overlap = mix2_overlap
         self.last_step = last_step
+        self.mix2_delay = mix2_delay if self.in_mix2 else 0
+        # A delayed Mix2 in flight: (handle, the mixed buffers, theta of its tensors at the send).
+        self._early: tuple[Handle, list[torch.Tensor], list[torch.Tensor]] | None = None
         # Mix2 in flight (handle, what was sent, the buffer it mixes into), then its correction.
         self._late: tuple[Handle, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._correction: list[torch.Tensor] | None = None
@@ -136,11 +148,57 @@ class FactoredGossipDiLoCo(OuterRound):
             return self.feedbacks.setdefault(op, ErrorFeedback()) if self.mix1_delta else None
         return super().feedback(op)
 
+    @torch.no_grad()
+    def after_step(self, step: int) -> bool:
+        """The shared round; with mix2_delay, Mix2 is sent tau steps before the round's end
+        and the chosen tensors keep those tau steps on top of the new x_i."""
+        if self.mix2_delay and step % self.H == self.H - self.mix2_delay:
+            self._send_mix2_early()
+        kept = []  # (tensor index, its steps since the send), to add back after the step
+        if self._early is not None and step % self.H == 0:
+            sent = zip(self._idx(), self._early[2], strict=True)
+            kept = [(k, self.params[k] - theta) for k, theta in sent]
+        ended = super().after_step(step)
+        for k, steps in kept:
+            self.params[k].add_(steps)
+        return ended
+
+    def _idx(self) -> list[int]:
+        """The indices of the tensors Mix2 covers."""
+        return [k for k, keep in enumerate(self.in_mix2) if keep]
+
+    def _send_mix2_early(self) -> None:
+        idx = self._idx()
+        mixed = [self.outer[k] - self.params[k] for k in idx]
+        if self.mix2_momentum and self.momenta() is not None:
+            mixed += [self.momenta()[k].clone() for k in idx]
+        w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+        handle = self.comm.mix_(
+            mixed, w2, codec=self.codec, feedback=self.feedback("mix2"), blocking=False, op="mix2"
+        )
+        self._early = (handle, mixed, [self.params[k].detach().clone() for k in idx])
+
+    def _land_mix2(self, deltas: list[torch.Tensor]) -> None:
+        """The delayed Mix2 replaces the chosen pseudo-gradients (and momenta, with
+        mix2_momentum); the tensors it left out keep the whole round's Delta_i."""
+        handle, mixed, _ = self._early
+        handle.wait()
+        self._early = None
+        idx = self._idx()
+        for k, g in zip(idx, mixed, strict=False):
+            deltas[k].copy_(g)
+        if len(mixed) > len(idx):
+            momenta = self.momenta()
+            for k, g in zip(idx, mixed[len(idx) :], strict=True):
+                momenta[k].copy_(g)
+
     def exchange(self, deltas: list[torch.Tensor]) -> None:
         """Mix2 on the chosen pseudo-gradients, then take Mix1's result as x_i (and m_i)."""
         if self._mix1 is None:  # a caller that never calls before_step: mix now, blocking
             self.start_round()
-        if self.in_mix2 and self.mix2_overlap:
+        if self._early is not None:
+            self._land_mix2(deltas)
+        elif self.in_mix2 and self.mix2_overlap:
             self._mix2_late(deltas)
         elif self.in_mix2:
             self._mix2(deltas)
@@ -188,7 +246,7 @@ class FactoredGossipDiLoCo(OuterRound):
         round that ends the run waits for its own Mix2 too, so it leaves nothing in flight."""
         correction = self._settle_mix2()
         self._correction = None
-        idx = [k for k, keep in enumerate(self.in_mix2) if keep]
+        idx = self._idx()
         sent = [deltas[k].clone() for k in idx]
         mixed = [d.clone() for d in sent]
         w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
@@ -219,8 +277,8 @@ class FactoredGossipDiLoCo(OuterRound):
         return self._correction
 
     def state_dict(self) -> dict:
-        if self._mix1 is not None:
-            raise RuntimeError("checkpoint taken with Mix1 in flight; save at round ends only")
+        if self._mix1 is not None or self._early is not None:
+            raise RuntimeError("checkpoint taken with a mix in flight; save at round ends only")
         state = super().state_dict()
         if self.mix1_delta and self._anchor is not None:
             state["mix1_anchor"] = [a.clone() for a in self._anchor]
@@ -240,6 +298,6 @@ class FactoredGossipDiLoCo(OuterRound):
                 "without mix1_delta); resume with outer.fgd.mix1_delta = false"
             )
         self._anchor = [a.clone() for a in anchor] if self.mix1_delta and anchor else None
-        self._late = None
+        self._late = self._early = None
         correction = state.get("mix2_correction") if own else None
         self._correction = [c.clone() for c in correction] if correction else None

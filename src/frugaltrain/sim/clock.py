@@ -216,7 +216,8 @@ class _NoLoCo(_Round):
 class _FGD(_Round):
     """outer/fgd.py: Mix1 of the parameters posted at a round's start, waited after the round's
     blocking Mix2 of the chosen pseudo-gradients; with mix2_overlap, Mix2 is posted there and
-    waited at the next round's end (at once in the run's last round)."""
+    waited at the next round's end (at once in the run's last round); with mix2_delay tau, it is
+    posted tau steps before the round's end and waited there."""
 
     def __init__(self, cfg: Config, sizes: dict[str, int], net: _Lockstep) -> None:
         super().__init__(cfg, sizes, net)
@@ -228,6 +229,7 @@ class _FGD(_Round):
         self.last_step = cfg.run.steps  # outer.build_strategy's last_step
         self.mix1: list | None = None
         self.late: list | None = None  # an overlapped Mix2 in flight
+        self.early: list | None = None  # a delayed Mix2 in flight
 
     def start_round(self) -> None:
         if self.mix1 is not None:
@@ -240,18 +242,31 @@ class _FGD(_Round):
         numel = self.numel * (2 if mixed else 1)
         self.mix1 = self.net.post(numel, self.param_codec, w1) or []
 
+    def after_step(self, step: int) -> bool:
+        if self.mix2_on and self.f.mix2_delay and step % self.H == self.H - self.f.mix2_delay:
+            self.early = self.net.post(self.mix2_numel_sent(), self.codec, self.w2())
+        return super().after_step(step)
+
+    def w2(self) -> np.ndarray:
+        return mixing_matrix(self.f.mix2, self.net.M, self.round, self.seed + 1)
+
+    def mix2_numel_sent(self) -> int:
+        return self.mix2_numel * (2 if self.f.mix2_momentum and self.has_momenta() else 1)
+
     def exchange(self) -> None:
         if self.mix1 is None:
             self.start_round()
-        w2 = mixing_matrix(self.f.mix2, self.net.M, self.round, self.seed + 1)
-        if self.mix2_on and self.f.mix2_overlap:
+        w2 = self.w2()
+        if self.early is not None:
+            self.net.wait(self.early)
+            self.early = None
+        elif self.mix2_on and self.f.mix2_overlap:
             self.settle()
             self.late = self.net.post(self.mix2_numel, self.codec, w2)
             if (self.round + 1) * self.H >= self.last_step:
                 self.settle()
         elif self.mix2_on:
-            numel = self.mix2_numel * (2 if self.f.mix2_momentum and self.has_momenta() else 1)
-            self.net.wait(self.net.post(numel, self.codec, w2))
+            self.net.wait(self.net.post(self.mix2_numel_sent(), self.codec, w2))
         self.net.wait(self.mix1)
         self.mix1 = None
 
