@@ -1293,6 +1293,15 @@ H5_PAIRS = (  # each over DiLoCo at H = 10 (the links' baseline), then over DiLo
     ("GlobalM1LocalM2-4bit-H5", "diloco-H5"),
     ("diloco-e3m0-H5", "diloco-H5"),
 )
+DELAY_FILES = ("fgd_retune_all_grid_h10.json", "fgd_h5_probe.json", "fgd_delay_probe.json")
+DELAY_PAIRS = (  # 4-bit FGD with Mix2 blocking, then sent 1, 2 or 3 steps before its round's end
+    ("GlobalM1LocalM2-4bit-lr1.0", "diloco"),
+    ("GlobalM1LocalM2-4bit-d1", "diloco"),
+    ("GlobalM1LocalM2-4bit-d3", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5-d1", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5-d2", "diloco"),
+)
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1433,6 +1442,10 @@ TABLES = {
     "time-to-loss-own": _time_to_loss("time_to_loss_own_steps_h10.json", time_to_loss_table),
     "time-to-loss-h5-links": _time_to_loss("time_to_loss_h5.json", links_table),
     "time-to-loss-h5": _time_to_loss("time_to_loss_h5.json", time_to_loss_table),
+    "time-to-loss-h5-plan": _plan("time_to_loss_h5.json"),
+    "time-to-loss-h5-d1-links": _time_to_loss("time_to_loss_h5_d1.json", links_table),
+    "time-to-loss-h5-d1": _time_to_loss("time_to_loss_h5_d1.json", time_to_loss_table),
+    "time-to-loss-h5-d1-plan": _plan("time_to_loss_h5_d1.json"),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
@@ -1508,6 +1521,7 @@ TABLES = {
         ("fgd_h5_probe_others.json", "fgd_h4_overlap_probe.json"),
         fgd_pair_ratios(H4_OVERLAP_PAIRS),
     ),
+    "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
     ),

@@ -87,6 +87,12 @@ METHODS = {  # name -> (example config, extra overrides)
         "fgd_globalm1_localm2_int8",
         [*MIX1_DELTA_4BIT, "outer.codec='e3m0'", "outer.H=5"],
     ),
+    # Mix2 sent 1 step before the round's end, on the wire while the worker takes that step
+    # (outer.fgd.mix2_delay; docs/results/fgd.md, "Mix2 sent a step early").
+    "GlobalM1LocalM2-4bit-H5-d1": (
+        "fgd_globalm1_localm2_int8",
+        [*MIX1_DELTA_4BIT, "outer.codec='e3m0'", "outer.H=5", "outer.fgd.mix2_delay=1"],
+    ),
     "diloco-e3m0-H5": ("diloco", ["outer.codec='e3m0'", "outer.H=5"]),
     "streaming-H4": ("streaming", ["outer.H=4"]),  # its fragments must divide H
 }
@@ -436,10 +442,13 @@ PENALTY_FILES = (
     "time_to_loss_past_h10.json",
     "time_to_loss_past_h10_rest.json",
     "time_to_loss_mix1_delta.json",
+    "time_to_loss_h5.json",
+    "time_to_loss_h5_d1.json",
 )
 """The results the planner's penalties come from (under benchmarks/results/), in order: a method
 measured in more than one takes the first's. Every method at DiLoCo's outer step for H = 10
-(lr 1.0, momentum 0), the others running past DiLoCo's steps (--steps-x 1.5)."""
+(lr 1.0, momentum 0), the others running past DiLoCo's steps (--steps-x 1.5); a method at its
+own H (H = 5 in 4 bits) gets the fraction of DiLoCo's H it ran at (H_fraction)."""
 PENALTY_FILES_BEFORE = ("time_to_loss.json", "time_to_loss_flagship.json")
 """Those of the planner's first penalties (each method at its example's outer step of the time,
 the others stopped at DiLoCo's steps): the plan tables of those runs are drawn with them."""
@@ -498,10 +507,13 @@ def _penalty(record: dict, m: str) -> dict:
             seeds[str(seed)] = f"stopped by the budget at {max(stopped):.2f} of the steps"
     fractions = [v for v in seeds.values() if isinstance(v, float)]
     example, extra = METHODS[m]
+    outer = dict(record["outer_tables"][m])
+    own_H = {"H_fraction": outer.pop("H") / record["H"]} if "H" in outer else {}
     return {
         "example": f"examples/{example}.toml",
         "overrides": extra,
-        "outer": record["outer_tables"][m],
+        "outer": outer,
+        **own_H,
         "steps_fraction": statistics.mean(fractions) if fractions else None,
         "reached": f"{len(fractions)}/{len(seeds)}",
         "seeds": seeds,

@@ -1,7 +1,8 @@
 """Which outer method reaches DiLoCo's model quality soonest in wall clock on your links: the
 planner behind `frugaltrain plan` and `outer.strategy = "auto"`. It takes seconds.
 
-Per method (config.AUTO_METHODS: the examples' [outer] tables, with this config's outer.H):
+Per method (config.AUTO_METHODS: the examples' [outer] tables, with this config's outer.H, or
+the fraction of it a method was measured at: H = 5 against DiLoCo's 10 plans half of outer.H):
 
     step time      measured: 1 warm-up and 3 timed inner steps of this config's model, batch
                    and inner optimizer on this machine (step.inner_step), one step time for all
@@ -61,11 +62,21 @@ def check_methods(names: list[str], key: str) -> None:
             )
 
 
-def method_config(cfg: Config, outer: dict, steps: int | None = None) -> Config:
-    """`cfg` with the method's [outer] table in place of its own (keeping its outer.H), run for
-    `steps` (default: its own run.steps); a ConfigError if this config cannot run the method."""
+def method_H(cfg: Config, entry: dict) -> int:
+    """The method's outer.H under `cfg`: the config's, or for a method measured at a fraction of
+    DiLoCo's H (penalties.json's H_fraction, e.g. 0.5 for rounds twice as often) that fraction of
+    it, rounded, at least 1."""
+    return max(1, round(cfg.outer.H * entry.get("H_fraction", 1.0)))
+
+
+def method_config(
+    cfg: Config, outer: dict, steps: int | None = None, H: int | None = None
+) -> Config:
+    """`cfg` with the method's [outer] table in place of its own at outer.H = `H` (default: the
+    config's), run for `steps` (default: its own run.steps); a ConfigError if this config cannot
+    run the method."""
     raw = to_dict(cfg)
-    raw["outer"] = {**copy.deepcopy(outer), "H": cfg.outer.H}
+    raw["outer"] = {**copy.deepcopy(outer), "H": H or cfg.outer.H}
     if steps is not None:
         raw["run"]["steps"] = steps
     with warnings.catch_warnings():  # the table holds only keys its strategy reads
@@ -229,6 +240,8 @@ class Row:
     strategy: str
     candidate: bool
     """Among the methods to pick from (DiLoCo is always planned: the reference)."""
+    H: int = 0
+    """Its outer.H (method_H)."""
     util: float | None = None
     """Compute utilization on the simulated clock."""
     clock_s: float | None = None
@@ -266,15 +279,17 @@ class Plan:
 
 
 def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool) -> Row:
-    row = Row(name, entry["outer"]["strategy"], pick, seeds=entry["reached"])
+    H = method_H(cfg, entry)
+    row = Row(name, entry["outer"]["strategy"], pick, H, seeds=entry["reached"])
     per_seed = _seed_fractions(entry)
     # A method that needed more than DiLoCo's steps: its clock runs on past run.steps, in
     # whole rounds, to its slowest seed.
-    H = cfg.outer.H
     longest = max([1.0, entry["steps_fraction"] or 1.0, *(f for f in per_seed if f)])
     steps = math.ceil(longest * cfg.run.steps / H) * H
     try:
-        mcfg = method_config(cfg, entry["outer"], steps)
+        if cfg.run.steps % H:  # the method's own run must end on a round too
+            method_config(cfg, entry["outer"], H=H)
+        mcfg = method_config(cfg, entry["outer"], steps, H)
         sim = SimSection(
             step_s=step.seconds,
             bandwidth_bps=links.bandwidth_bps,
@@ -398,17 +413,17 @@ def format_plan(plan: Plan) -> str:
         f"workers, {pen['steps']} steps, H = {pen['H']}, seeds {_seeds(pen['seeds'])} "
         f"({pen['source']}, {pen['date'][:10]}); tuned on {pen['tuned_on']}",
         "",
-        "| method | U (simulated) | clock of run.steps, s (simulated) "
+        "| method | outer.H | U (simulated) | clock of run.steps, s (simulated) "
         "| steps to DiLoCo's loss, x DiLoCo's (measured) | time to DiLoCo's loss, s (estimated) "
         "| x DiLoCo (estimated) | x DiLoCo, fastest-slowest seed (estimated) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in p.rows:
         name = r.method if r.candidate else f"{r.method} (reference)"
         frac = "not reached" if r.steps_fraction is None else f"{r.steps_fraction:.2f}"
         frac += f" ({r.seeds} seeds)"
         lines.append(
-            f"| {name} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
+            f"| {name} | {r.H} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
             f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} | {seed_span(r.seeds_ratio, '.2f')} |"
         )
     lines += [f"{r.method}: {r.note}" for r in p.rows if r.note.startswith("not for")]
@@ -427,6 +442,7 @@ def plan_json(plan: Plan) -> dict:
             "method": r.method,
             "strategy": r.strategy,
             "candidate": r.candidate,
+            "H": r.H,
             "util_simulated": r.util,
             "clock_s_simulated": r.clock_s,
             "steps_fraction_measured": r.steps_fraction,
@@ -457,7 +473,7 @@ def plan_json(plan: Plan) -> dict:
 
 def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
     """`cfg` with outer.strategy = 'auto' replaced by the method the plan picks on
-    [outer.auto]'s links (its example [outer], this config's outer.H), and the plan."""
+    [outer.auto]'s links (its example [outer], at its H: method_H), and the plan."""
     a = cfg.outer.auto
     if a.link_json:
         links = read_probe(a.link_json, cfg.run.workers, "outer.auto.link_json")
@@ -469,4 +485,5 @@ def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
             f"outer.strategy = 'auto': {plan.reason}; set outer.strategy to a method, or "
             "outer.auto.methods to ones with an estimate"
         )
-    return method_config(cfg, load_penalties()["methods"][plan.pick]["outer"]), plan
+    entry = load_penalties()["methods"][plan.pick]
+    return method_config(cfg, entry["outer"], H=method_H(cfg, entry)), plan
