@@ -32,6 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flow_tables  # noqa: E402
+from codec_speed import table as codec_speed_table  # noqa: E402
 from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
 from data_prep import table as data_prep_table  # noqa: E402
 from faults import table as faults_table  # noqa: E402
@@ -1446,6 +1447,8 @@ TABLES = {
     "time-to-loss-h5-d1-links": _time_to_loss("time_to_loss_h5_d1.json", links_table),
     "time-to-loss-h5-d1": _time_to_loss("time_to_loss_h5_d1.json", time_to_loss_table),
     "time-to-loss-h5-d1-plan": _plan("time_to_loss_h5_d1.json"),
+    "time-to-loss-codec-links": _time_to_loss("time_to_loss_h5_codec.json", links_table),
+    "time-to-loss-codec": _time_to_loss("time_to_loss_h5_codec.json", time_to_loss_table),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
@@ -1520,6 +1523,9 @@ TABLES = {
         "docs/results/fgd.md",
         ("fgd_h5_probe_others.json", "fgd_h4_overlap_probe.json"),
         fgd_pair_ratios(H4_OVERLAP_PAIRS),
+    ),
+    "codec-speed": Table(
+        "docs/results/compression.md", ("codec_speed.json",), lambda f: codec_speed_table(f[0])
     ),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(

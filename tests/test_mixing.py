@@ -92,6 +92,17 @@ def test_e3m0_keeps_sign_and_zero():
     assert torch.equal(y[1:5], x[1:5])  # powers of two of the block scale are exact
 
 
+@pytest.mark.parametrize("n", [1, 255, 1001, 4096])
+def test_e3m0_is_its_formula_to_the_bit(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * torch.logspace(-12, 2, n)
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    x[5::13] *= 1e-6  # below a block's smallest level: zero, keeping its sign
+    got = compress.roundtrip(x, "e3m0")
+    want = compress.e3m0_by_formula(x)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
 def test_weighted_sum_of_identical_inputs_is_exact():
     x = torch.randn(10_000)
     for n in (3, 4, 7):
