@@ -1518,7 +1518,9 @@ TABLES = {
     ),
     "fgd-h5-probe": Table("docs/results/fgd.md", H5_FILES, fgd_pair_ratios(H5_PAIRS)),
     "fgd-h5-report": Table("docs/results/fgd.md", ("fgd_h5_report.json",), fgd_corpora),
-    "fgd-h5-4x": Table("docs/results/fgd.md", ("fgd_h5_4x.json",), fgd_corpora),
+    "fgd-h5-4x": Table(
+        "docs/results/fgd.md", ("fgd_h5_4x.json", "fgd_h5_4x_seed2.json"), fgd_corpora_merged
+    ),
     "fgd-h4-overlap-probe": Table(
         "docs/results/fgd.md",
         ("fgd_h5_probe_others.json", "fgd_h4_overlap_probe.json"),
