@@ -163,6 +163,10 @@ class FactoredGossipDiLoCo(OuterRound):
             self.params[k].add_(steps)
         return ended
 
+    def _w2(self) -> np.ndarray:
+        """This round's Mix2 matrix (seeded apart from Mix1's)."""
+        return mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+
     def _idx(self) -> list[int]:
         """The indices of the tensors Mix2 covers."""
         return [k for k, keep in enumerate(self.in_mix2) if keep]
@@ -172,7 +176,7 @@ class FactoredGossipDiLoCo(OuterRound):
         mixed = [self.outer[k] - self.params[k] for k in idx]
         if self.mix2_momentum and self.momenta() is not None:
             mixed += [self.momenta()[k].clone() for k in idx]
-        w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+        w2 = self._w2()
         handle = self.comm.mix_(
             mixed, w2, codec=self.codec, feedback=self.feedback("mix2"), blocking=False, op="mix2"
         )
@@ -238,7 +242,7 @@ class FactoredGossipDiLoCo(OuterRound):
         momenta = self.momenta() if self.mix2_momentum else None
         if momenta is not None:
             chosen += [m for m, keep in zip(momenta, self.in_mix2, strict=True) if keep]
-        w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+        w2 = self._w2()
         self.comm.mix_(chosen, w2, codec=self.codec, feedback=self.feedback("mix2"), op="mix2")
 
     def _mix2_late(self, deltas: list[torch.Tensor]) -> None:
@@ -249,7 +253,7 @@ class FactoredGossipDiLoCo(OuterRound):
         idx = self._idx()
         sent = [deltas[k].clone() for k in idx]
         mixed = [d.clone() for d in sent]
-        w2 = mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
+        w2 = self._w2()
         feedback = self.feedback("mix2")
         handle = self.comm.mix_(
             mixed, w2, codec=self.codec, feedback=feedback, blocking=False, op="mix2"
