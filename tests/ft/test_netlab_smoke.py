@@ -60,3 +60,21 @@ def test_netlab_workers_run_in_their_cpu_quota_and_per_worker_links():
     assert not list(root.glob(f"ftl-{tag}-*"))
     with pytest.raises(ValueError, match="cpu_shares: 1 values for 2 workers"):
         NetLab(2, 10.0, tag=tag, cpu_shares=[0.5]).up()
+
+
+@pytest.mark.skipif(CPU_REASON is not None, reason=CPU_REASON or "")
+def test_cpu_quota_is_granted_per_its_period():
+    tag = f"p{os.getpid()}"
+    quota = cpu.CpuQuota(tag, [0.4], period_us=10_000).up()
+    try:
+        root, version = cpu.controller_dir()
+        d = root / f"ftl-{tag}-w0"
+        if version == 1:
+            got = [(d / f).read_text().strip() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")]
+        else:
+            got = (d / "cpu.max").read_text().split()
+        assert got == ["4000", "10000"]
+    finally:
+        quota.down()
+    with pytest.raises(ValueError, match="cpu period 100 us: use 1000 to 1000000"):
+        cpu.CpuQuota(tag, [0.4], period_us=100).up()

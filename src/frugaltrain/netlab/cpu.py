@@ -42,10 +42,13 @@ def why_not_available() -> str | None:
 
 @dataclass
 class CpuQuota:
-    """`shares[i]`: worker i's CPU share in cores (0.5: half a core, however idle the rest)."""
+    """`shares[i]`: worker i's CPU share in cores (0.5: half a core, however idle the rest),
+    granted per `period_us` (a group that spends its share early in a period waits for the
+    next one, communication threads included)."""
 
     tag: str
     shares: list[float]
+    period_us: int = PERIOD_US
     dirs: list[Path] = field(default_factory=list)
 
     def up(self) -> CpuQuota:
@@ -53,6 +56,8 @@ class CpuQuota:
         if found is None:
             raise RuntimeError(why_not_available())
         root, version = found
+        if not 1_000 <= self.period_us <= 1_000_000:  # the kernel's bounds on a CFS period
+            raise ValueError(f"cpu period {self.period_us} us: use 1000 to 1000000")
         if version == 2:  # children of the root may only use controllers it hands down
             (root / "cgroup.subtree_control").write_text("+cpu")
         for i, share in enumerate(self.shares):
@@ -61,12 +66,12 @@ class CpuQuota:
             d = root / f"ftl-{self.tag}-w{i}"
             d.mkdir(exist_ok=True)
             self.dirs.append(d)
-            quota = int(share * PERIOD_US)
+            quota = int(share * self.period_us)
             if version == 1:
-                (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (d / "cpu.cfs_period_us").write_text(str(self.period_us))
                 (d / "cpu.cfs_quota_us").write_text(str(quota))
             else:
-                (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+                (d / "cpu.max").write_text(f"{quota} {self.period_us}")
         return self
 
     def wrap(self, i: int, argv: list[str]) -> list[str]:

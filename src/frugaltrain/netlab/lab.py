@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from frugaltrain.netlab import cpu
-from frugaltrain.netlab.cpu import CpuQuota
+from frugaltrain.netlab.cpu import PERIOD_US, CpuQuota
 
 PREFIX = "ftl-"
 SUBNET = "10.77.0"
@@ -70,7 +70,7 @@ def tbf_args(rate_mbit: float) -> list[str]:
 class NetLab:
     """`workers` namespaces joined through a bridge, each link limited to `rate_mbit` Mbit/s
     in each direction (0: unshaped), or worker i's to `rates[i]`; with `cpu_shares`, worker i's
-    processes get `cpu_shares[i]` cores at most."""
+    processes get `cpu_shares[i]` cores at most, per `cpu_period_us`."""
 
     workers: int
     rate_mbit: float
@@ -78,6 +78,7 @@ class NetLab:
     namespaces: list[str] = field(default_factory=list)
     rates: list[float] | None = None
     cpu_shares: list[float] | None = None
+    cpu_period_us: int = PERIOD_US
     quota: CpuQuota | None = None
 
     def rate_of(self, i: int) -> float:
@@ -102,7 +103,7 @@ class NetLab:
                     f"netlab {name}: {len(per_worker)} values for {self.workers} workers"
                 )
         if self.cpu_shares is not None:
-            self.quota = CpuQuota(self.tag, list(self.cpu_shares)).up()
+            self.quota = CpuQuota(self.tag, list(self.cpu_shares), self.cpu_period_us).up()
         _sh("ip", "netns", "add", self.hub)
         self.namespaces.append(self.hub)
         _sh("ip", "-n", self.hub, "link", "set", "lo", "up")
