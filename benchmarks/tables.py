@@ -51,7 +51,10 @@ from time_to_loss import (  # noqa: E402
     PENALTY_FILES,
     PENALTY_FILES_BEFORE,
     links_table,
+    time_split_table,  # noqa: E402
 )
+from time_to_loss import analyze as time_to_loss_analyze  # noqa: E402
+from time_to_loss import fmt_ratios as time_to_loss_fmt_ratios  # noqa: E402
 from time_to_loss import penalties as time_to_loss_penalties  # noqa: E402
 from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
 from time_to_loss import table as time_to_loss_table  # noqa: E402
@@ -1303,6 +1306,15 @@ DELAY_PAIRS = (  # 4-bit FGD with Mix2 blocking, then sent 1, 2 or 3 steps befor
     ("GlobalM1LocalM2-4bit-H5-d1", "diloco"),
     ("GlobalM1LocalM2-4bit-H5-d2", "diloco"),
 )
+GLOBALM2_FILES = ("fgd_globalm2.json", *H5_FILES, "fgd_h5_report.json")
+GLOBALM2_PAIRS = (  # DiLoCo's round sent a step early, keeping or discarding the step
+    ("GlobalM2-4bit-H5-d1", "diloco"),
+    ("streaming-H5-f1", "diloco"),
+    ("diloco-e3m0-H5", "diloco"),
+    ("GlobalM1LocalM2-4bit-H5", "diloco"),
+    ("GlobalM2-4bit-H5-d1", "diloco-e3m0-H5"),
+    ("streaming-H5-f1", "diloco-e3m0-H5"),
+)
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1313,6 +1325,40 @@ DEFAULT_JOB_FILES = tuple(
 )
 E3M0_GRID = (("diloco", "diloco-e3m0-m0-lr1.0", "diloco-e3m0-m0-lr1.26", "diloco-e3m0-m0-lr1.6"),)
 E3M0_PAIRS = (("diloco-e3m0-m0-lr1.26", "diloco"),)  # the pick over DiLoCo at its own
+
+
+PAST = ("time_to_loss_past_h10_r1_slow.json", "time_to_loss_past_h10.json")  # r1; r2
+README_LINKS = (  # (label, method, the files it was measured in)
+    ("Streaming DiLoCo: 2 fragments, 4-bit, H = 10", "streaming", PAST),
+    ("DiLoCo, 4-bit, H = 10", "diloco-e3m0", PAST),
+    ("FGD as in the examples: GlobalM1LocalM2, Mix2 in int8, H = 10", "GlobalM1LocalM2-int8", PAST),
+    ("FGD, both mixes 4-bit, H = 5, Mix2 a step early", "GlobalM1LocalM2-4bit-H5-d1",
+     ("time_to_loss_h5_codec.json",)),
+    ("DiLoCo, 4-bit, H = 5", "diloco-e3m0-H5", ("time_to_loss_globalm2.json",)),
+    ("FGD `GlobalM2` (DiLoCo's round), 4-bit, H = 5, Mix2 a step early", "GlobalM2-4bit-H5-d1",
+     ("time_to_loss_globalm2.json",)),
+)  # fmt: skip
+
+
+def readme_links(files: list[dict]) -> str:
+    """The README's summary: each method's time to DiLoCo's loss at r1 and r2, from the run
+    (results file) it was measured in."""
+    records = dict(
+        zip(dict.fromkeys(f for _, _, fs in README_LINKS for f in fs), files, strict=True)
+    )
+    lines = [
+        "| method | 22 Mbit/s, x DiLoCo | 11 Mbit/s, x DiLoCo | results file |",
+        "|---|---|---|---|",
+    ]
+    for label, method, names in README_LINKS:
+        cells = {}
+        for name in names:
+            for a in time_to_loss_analyze(records[name]):
+                if a["method"] == method:
+                    cells.setdefault(a["case"], time_to_loss_fmt_ratios(a["ratios"]))
+        where = ", ".join(f"`{n}`" for n in names)
+        lines.append(f"| {label} | {cells.get('r1', '-')} | {cells.get('r2', '-')} | {where} |")
+    return "\n".join(lines)
 
 
 def _time_to_loss(file: str, render: Callable[[dict], str]) -> Table:
@@ -1449,6 +1495,15 @@ TABLES = {
     "time-to-loss-h5-d1-plan": _plan("time_to_loss_h5_d1.json"),
     "time-to-loss-codec-links": _time_to_loss("time_to_loss_h5_codec.json", links_table),
     "time-to-loss-codec": _time_to_loss("time_to_loss_h5_codec.json", time_to_loss_table),
+    "readme-links": Table(
+        "README.md",
+        tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names)),
+        readme_links,
+    ),
+    "time-to-loss-globalm2-links": _time_to_loss("time_to_loss_globalm2.json", links_table),
+    "time-to-loss-globalm2": _time_to_loss("time_to_loss_globalm2.json", time_to_loss_table),
+    "time-to-loss-globalm2-split": _time_to_loss("time_to_loss_globalm2.json", time_split_table),
+    "time-to-loss-globalm2-plan": _plan("time_to_loss_globalm2.json"),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
@@ -1529,6 +1584,7 @@ TABLES = {
     "codec-speed": Table(
         "docs/results/compression.md", ("codec_speed.json",), lambda f: codec_speed_table(f[0])
     ),
+    "fgd-globalm2": Table("docs/results/fgd.md", GLOBALM2_FILES, fgd_pair_ratios(GLOBALM2_PAIRS)),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)

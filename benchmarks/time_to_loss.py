@@ -94,6 +94,17 @@ METHODS = {  # name -> (example config, extra overrides)
         [*MIX1_DELTA_4BIT, "outer.codec='e3m0'", "outer.H=5", "outer.fgd.mix2_delay=1"],
     ),
     "diloco-e3m0-H5": ("diloco", ["outer.codec='e3m0'", "outer.H=5"]),
+    # DiLoCo's round as an FGD (no Mix1, Mix2 complete) in 4 bits at H = 5, its all-gather sent
+    # a step early and the step kept: DiLoCo in e3m0 with one step to hide its exchange.
+    "GlobalM2-4bit-H5-d1": (
+        "fgd_globalm1_localm2_int8",
+        [
+            "outer.fgd.preset='GlobalM2'",
+            "outer.codec='e3m0'",
+            "outer.H=5",
+            "outer.fgd.mix2_delay=1",
+        ],
+    ),
     "streaming-H4": ("streaming", ["outer.H=4"]),  # its fragments must divide H
 }
 
@@ -138,6 +149,13 @@ def curve(run_dir: Path) -> dict:
     compute = sum(r["time/compute_s"] for r in rounds)
     blocking = sum(r["time/blocking_s"] for r in rounds)
     last_step = rounds[-1]["step"] if rounds else 0
+    by_op: dict[str, float] = {}
+    for r in rounds:
+        for key, seconds in r.items():
+            if key.startswith("comm/blocking_s/") and seconds:
+                op = key.removeprefix("comm/blocking_s/")
+                by_op[op] = by_op.get(op, 0.0) + seconds
+    wall = rounds[-1]["time/wall_s"] if rounds else 0.0
     return {
         "wall_s_measured": [r["time/wall_s"] + r.get("time/eval_s", 0.0) for r in evals],
         "val_loss": [r["loss/val"] for r in evals],
@@ -145,6 +163,15 @@ def curve(run_dir: Path) -> dict:
         "step_s_measured": compute / last_step if last_step else None,
         "eval_s_measured": sum(r.get("time/eval_s", 0.0) for r in evals),
         "U_measured": compute / (compute + blocking) if rounds else None,
+        "steps_run": last_step,
+        "blocking_s_by_op_measured": by_op,
+        # Wall clock in neither compute, blocking nor evaluation: coding a mix before it is
+        # posted, the outer step, the round's bookkeeping (worker 0's wall, the workers' mean
+        # compute and blocking); a round's wall is taken before its own evaluation.
+        "other_s_measured": wall
+        - compute
+        - blocking
+        - sum(r.get("time/eval_s", 0.0) for r in rounds[:-1]),
     }
 
 
@@ -225,6 +252,7 @@ def main() -> int:
     ap.add_argument("--eval-rounds", type=int, default=2, help="rounds between evaluations")
     ap.add_argument("--data", default="", help="data.path (empty: the examples' stdlib bytes)")
     ap.add_argument("--cpu-share", type=float, default=0.4, help="cores per worker (cgroup)")
+    ap.add_argument("--cpu-period-ms", type=float, default=100.0, help="the quota's period")
     ap.add_argument("--budget", type=float, default=2.0, help="x DiLoCo's wall clock")
     ap.add_argument("--steps-x", type=float, default=1.0, help="other methods' steps x DiLoCo's")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator's curves")
@@ -253,6 +281,7 @@ def main() -> int:
     record |= {"methods": methods, "seeds": seeds, "steps": args.steps, "H": args.H,
                "steps_x": args.steps_x,
                "data": args.data or "stdlib bytes", "cpu_share": args.cpu_share,
+               "cpu_period_ms": args.cpu_period_ms,
                "budget_x_diloco": args.budget, "shared": common_overrides(args, 0, "RUNS"),
                "tuned_on": "stdlib (the examples' outer steps)", "cases": {},
                "outer_tables": {m: outer_table(m, args.set) for m in methods}}  # fmt: skip
@@ -262,7 +291,12 @@ def main() -> int:
         labs = {}
         for name, rate, slow in cases:  # the links as gloo gets them, before any run
             rates = [rate] * M if slow is None else [rate] * (M - 1) + [slow]
-            labs[name] = {"rate_mbit": rate, "rates": rates, "cpu_shares": [args.cpu_share] * M}
+            labs[name] = {
+                "rate_mbit": rate,
+                "rates": rates,
+                "cpu_shares": [args.cpu_share] * M,
+                "cpu_period_us": round(args.cpu_period_ms * 1000),
+            }
             with NetLab(M, rate, rates=rates) as lab:
                 link = probe(lab, S, 3, Path(runs) / f"probe-{name}.json")
             record["cases"][name] = {"rates_mbit": rates, "probe": link, "runs": []}
@@ -291,6 +325,7 @@ def main() -> int:
     provenance.finish(record)
     provenance.save(record, args.out)
     print(table(record))
+    print(time_split_table(record))
     plot(record, Path(args.out).with_suffix(".png"))
     return 0
 
@@ -333,7 +368,7 @@ def analyze(record: dict) -> list[dict]:
     return out
 
 
-def _fmt_ratios(ratios: list) -> str:
+def fmt_ratios(ratios: list) -> str:
     got = [r for r in ratios if r is not None]
     if not got:
         return f"not reached (0/{len(ratios)})"
@@ -356,9 +391,46 @@ def table(record: dict) -> str:
         wall = f"{statistics.mean(W):.4f}, {max(W):.4f}" if W else "-"
         U = [u for u in a["U"] if u is not None]
         u = f"{statistics.mean(U):.2f}" if U else "-"
-        lines.append(f"| {a['case']} | {a['method']} | {_fmt_ratios(a['ratios'])} | {sim} "
+        lines.append(f"| {a['case']} | {a['method']} | {fmt_ratios(a['ratios'])} | {sim} "
                      f"| {fin} | {wall} | {u} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def time_split_table(record: dict) -> str:
+    """Where each method's wall clock went, per inner step (mean over seeds): compute, the
+    blocking of each named operation, and the rest (coding before a post, the outer step, the
+    round's bookkeeping). Runs written before the split was kept have no row."""
+    lines = [
+        "| case | method | compute s/step | blocking s/step, by operation | other s/step | U |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, case in record["cases"].items():
+        for m in record["methods"]:
+            runs = [r for r in case["runs"] if r["method"] == m and "other_s_measured" in r]
+            if not runs:
+                continue
+
+            def per_step(seconds, runs=runs) -> float:  # seconds(run) over its steps, mean
+                return statistics.mean(seconds(r) / _steps_run(r) for r in runs)
+
+            ops = sorted({op for r in runs for op in r["blocking_s_by_op_measured"]})
+            by_op = ", ".join(
+                f"{op} {per_step(lambda r, op=op: r['blocking_s_by_op_measured'].get(op, 0.0)):.3f}"
+                for op in ops
+            )
+            compute = statistics.mean(r["step_s_measured"] for r in runs)
+            other = per_step(lambda r: r["other_s_measured"])
+            U = statistics.mean(r["U_measured"] for r in runs)
+            lines.append(
+                f"| {name} | {m} | {compute:.3f} | {by_op or '-'} | {other:.3f} | {U:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def _steps_run(run: dict) -> int:
+    """The run's inner steps; in files written before they were kept, its last evaluation's
+    (the same in a run that was not stopped at the budget: evaluations divide the steps)."""
+    return run.get("steps_run") or run["step"][-1]
 
 
 def links_table(record: dict) -> str:
@@ -444,6 +516,7 @@ PENALTY_FILES = (
     "time_to_loss_mix1_delta.json",
     "time_to_loss_h5.json",
     "time_to_loss_h5_d1.json",
+    "time_to_loss_globalm2.json",
 )
 """The results the planner's penalties come from (under benchmarks/results/), in order: a method
 measured in more than one takes the first's. Every method at DiLoCo's outer step for H = 10
@@ -593,7 +666,7 @@ def plan_table(record: dict, pen: dict | None = None) -> str:
                 )
                 if m == r.method
             ]
-            lines.append(f"| {c['case']} | {r.method} | {plan} | {_fmt_ratios(a['ratios'])} "
+            lines.append(f"| {c['case']} | {r.method} | {plan} | {fmt_ratios(a['ratios'])} "
                          f"| {sim} | {' / '.join(marks)} |")  # fmt: skip
     _PLAN_TABLES[key] = "\n".join(lines)
     return _PLAN_TABLES[key]
@@ -648,6 +721,7 @@ if __name__ == "__main__":
         rec = json.loads(Path(sys.argv[2]).read_text())
         print(links_table(rec))
         print(table(rec))
+        print(time_split_table(rec))
         plot(rec, Path(sys.argv[2]).with_suffix(".png"))
     else:
         sys.exit(main())

@@ -233,6 +233,7 @@ def _cases(factory, root: Path) -> list[tuple]:
     jobs = [
         job("diloco"),
         job("fgd-exact", "outer.strategy='fgd'", "outer.fgd.mix2='complete'"),
+        job("fgd-globalm2", "outer.strategy='fgd'", "outer.fgd.preset='GlobalM2'"),
         job("diloco-hb", "outer.nesterov=false", "outer.momentum=0.5"),
         job(
             "noloco-all",
@@ -302,6 +303,13 @@ def gloo_runs(config_factory, tmp_path_factory) -> dict:
 def test_fgd_with_exact_mixes_equals_diloco(gloo_runs):
     for rank in range(WORLD):
         _assert_same(gloo_runs[rank]["diloco"][0], gloo_runs[rank]["fgd-exact"][0])
+
+
+def test_fgd_globalm2_is_diloco_to_the_bit_and_the_byte(gloo_runs):
+    # No Mix1 and a complete Mix2: DiLoCo's round, with nothing more on the wire.
+    for rank in range(WORLD):
+        _assert_same(gloo_runs[rank]["diloco"][0], gloo_runs[rank]["fgd-globalm2"][0])
+        assert gloo_runs[rank]["fgd-globalm2"][1] == gloo_runs[rank]["diloco"][1]
 
 
 def test_noloco_one_group_no_pull_equals_heavy_ball_diloco(gloo_runs):

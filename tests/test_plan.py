@@ -478,6 +478,28 @@ def test_a_run_past_diloco_steps_is_read_at_diloco_last_step_and_timed_past_it()
     assert got["ratios"] == [pytest.approx(10.0 / 20.0)]  # 2.8 reached halfway to step 30
 
 
+def test_a_runs_wall_clock_splits_into_compute_blocking_by_operation_and_the_rest(tmp_path):
+    # Two rounds of 5 steps; the second evaluates after its wall was taken, the first before.
+    bench = _benchmark()
+    rounds = [
+        {"kind": "round", "step": 5, "time/wall_s": 2.0, "time/compute_s": 1.0,
+         "time/blocking_s": 0.6, "comm/blocking_s/mix1": 0.2, "comm/blocking_s/mix2": 0.4,
+         "comm/blocking_s/outer": 0.0, "loss/val": 3.0, "time/eval_s": 0.25},
+        {"kind": "round", "step": 10, "time/wall_s": 4.0, "time/compute_s": 1.2,
+         "time/blocking_s": 0.3, "comm/blocking_s/mix2": 0.3, "loss/val": 2.9,
+         "time/eval_s": 0.5},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    c = bench.curve(tmp_path)
+    assert c["blocking_s_by_op_measured"] == {"mix1": 0.2, "mix2": pytest.approx(0.7)}
+    assert c["steps_run"] == 10
+    assert c["other_s_measured"] == pytest.approx(4.0 - 2.2 - 0.9 - 0.25)  # the last eval: after
+    assert c["wall_s_measured"] == [2.25, 4.5]
+    record = {"methods": ["x"], "cases": {"r": {"runs": [{"method": "x", **c}]}}}
+    row = bench.time_split_table(record).splitlines()[-1]
+    assert row == "| r | x | 0.220 | mix1 0.020, mix2 0.070 | 0.065 | 0.71 |"
+
+
 def test_check_against_the_measurements_prints_every_case():
     bench = _benchmark()
     record = json.loads((ROOT / "benchmarks/results/time_to_loss.json").read_text())

@@ -54,11 +54,12 @@ AUTO_METHODS = (
     "GlobalM1LocalM2-4bit-H5-d1",
     "diloco-e3m0-H5",
     "streaming-H4",
+    "GlobalM2-4bit-H5-d1",
 )
 """The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: each an example
 config's [outer] (examples/) as benchmarks/time_to_loss.py measured it side by side;
 sim/penalties.json holds each one's [outer] table as measured and its measured step penalty.
-The last four ran at their own H against DiLoCo's (H = 5 or 4 against 10, "-H5", "-H4") and plan
+The last five ran at their own H against DiLoCo's (H = 5 or 4 against 10, "-H5", "-H4") and plan
 at that fraction of outer.H."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -100,6 +101,8 @@ def codec_error(name: str, *, dense_only: bool = False) -> str | None:
 FGD_PRESETS = {
     "GlobalM1": {"mix1": "complete", "mix2": "none", "mix2_params": "all"},
     "GlobalM1LocalM2": {"mix1": "complete", "mix2": "pairs", "mix2_params": "all"},
+    # No Mix1, a complete Mix2: DiLoCo's round, for a Mix2 sent early (mix2_delay).
+    "GlobalM2": {"mix1": "none", "mix2": "complete", "mix2_params": "all"},
 }
 
 
