@@ -1584,6 +1584,12 @@ TABLES = {
     "codec-speed": Table(
         "docs/results/compression.md", ("codec_speed.json",), lambda f: codec_speed_table(f[0])
     ),
+    "fgd-globalm2-4x": Table(
+        "docs/results/fgd.md",
+        ("fgd_globalm2_4x.json", "fgd_globalm2_4x_e3m0_seed0.json"),
+        fgd_corpora_merged,
+    ),
+    "fgd-globalm2-h50": Table("docs/results/fgd.md", ("fgd_globalm2_h50.json",), fgd_corpora),
     "fgd-globalm2": Table("docs/results/fgd.md", GLOBALM2_FILES, fgd_pair_ratios(GLOBALM2_PAIRS)),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(

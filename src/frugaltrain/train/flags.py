@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from frugaltrain.config import add_set_flag
+from frugaltrain.config import FGD_PRESETS, add_set_flag
 
 TRAIN_HELP = "train with an outer strategy on N local workers or torchrun"
 
@@ -24,7 +24,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer", help="shortcut for --set outer.strategy=NAME")
     p.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
     p.add_argument("-H", type=int, dest="H", help="shortcut for --set outer.H=N")
-    p.add_argument("--preset", help="fgd variant: GlobalM1 or GlobalM1LocalM2 (outer.fgd.preset)")
+    p.add_argument("--preset", help=f"fgd variant: {', '.join(FGD_PRESETS)} (outer.fgd.preset)")
     p.add_argument("--mix1", help="fgd Mix1 topology (outer.fgd.mix1)")
     p.add_argument("--mix2", help="fgd Mix2 topology (outer.fgd.mix2)")
     p.add_argument(
