@@ -1504,6 +1504,13 @@ TABLES = {
     "time-to-loss-globalm2": _time_to_loss("time_to_loss_globalm2.json", time_to_loss_table),
     "time-to-loss-globalm2-split": _time_to_loss("time_to_loss_globalm2.json", time_split_table),
     "time-to-loss-globalm2-plan": _plan("time_to_loss_globalm2.json"),
+    "time-to-loss-period-split": Table(
+        "docs/results/time_to_loss.md",
+        ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),
+        lambda f: "\n\n".join(
+            f"The quota granted per {r['cpu_period_ms']:g} ms:\n\n{time_split_table(r)}" for r in f
+        ),
+    ),
     "mix1-delta-corpora": Table(
         "docs/results/time_to_loss.md", ("fgd_corpora_h10_mix1_delta.json",), fgd_corpora_merged
     ),
