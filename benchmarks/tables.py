@@ -1338,14 +1338,13 @@ README_LINKS = (  # (label, method, the files it was measured in)
     ("FGD `GlobalM2` (DiLoCo's round), 4-bit, H = 5, Mix2 a step early", "GlobalM2-4bit-H5-d1",
      ("time_to_loss_globalm2.json",)),
 )  # fmt: skip
+README_LINK_FILES = tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names))
 
 
 def readme_links(files: list[dict]) -> str:
     """The README's summary: each method's time to DiLoCo's loss at r1 and r2, from the run
     (results file) it was measured in."""
-    records = dict(
-        zip(dict.fromkeys(f for _, _, fs in README_LINKS for f in fs), files, strict=True)
-    )
+    records = dict(zip(README_LINK_FILES, files, strict=True))
     lines = [
         "| method | 22 Mbit/s, x DiLoCo | 11 Mbit/s, x DiLoCo | results file |",
         "|---|---|---|---|",
@@ -1495,11 +1494,7 @@ TABLES = {
     "time-to-loss-h5-d1-plan": _plan("time_to_loss_h5_d1.json"),
     "time-to-loss-codec-links": _time_to_loss("time_to_loss_h5_codec.json", links_table),
     "time-to-loss-codec": _time_to_loss("time_to_loss_h5_codec.json", time_to_loss_table),
-    "readme-links": Table(
-        "README.md",
-        tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names)),
-        readme_links,
-    ),
+    "readme-links": Table("README.md", README_LINK_FILES, readme_links),
     "time-to-loss-globalm2-links": _time_to_loss("time_to_loss_globalm2.json", links_table),
     "time-to-loss-globalm2": _time_to_loss("time_to_loss_globalm2.json", time_to_loss_table),
     "time-to-loss-globalm2-split": _time_to_loss("time_to_loss_globalm2.json", time_split_table),
