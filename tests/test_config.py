@@ -91,6 +91,7 @@ def test_key_set_is_pinned():
             "nesterov",
             "codec",
             "feedback_decay",
+            "coded_average",
             "param_codec",
             "fgd",
             "noloco",
@@ -179,7 +180,10 @@ def test_toml_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["outer.Hh=5"], "unknown key outer.Hh; valid keys here: H, auto, codec, feedback_decay"),
+        (
+            ["outer.Hh=5"],
+            "unknown key outer.Hh; valid keys here: H, auto, codec, coded_average, feedback_decay",
+        ),
         (["run.workers=two"], "run.workers = 'two': expected int, got str"),
         (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
         (["outer.H=0"], "outer.H = 0: must be at least 1"),
@@ -247,6 +251,15 @@ def test_toml_round_trip(tmp_path):
         (
             ["outer.strategy=fgd", "outer.fgd.mix1_delta=true", "fault_tolerance.enabled=true"],
             "outer.fgd.mix1_delta = True: the fault-tolerant runtime's Mix1 drops a late message",
+        ),
+        (
+            ["outer.coded_average=ring"],
+            "outer.coded_average = 'ring': choose one of all_gather, reduce_scatter",
+        ),
+        (
+            ["outer.coded_average=reduce_scatter", "fault_tolerance.enabled=true"],
+            "outer.coded_average = 'reduce_scatter': the fault-tolerant runtime averages as a "
+            "gather over the members that delivered",
         ),
     ],
 )

@@ -118,12 +118,10 @@ def _worker(rank, world, port, cases, out):
     torch.set_num_threads(1)
     try:
         results = []
-        for name, codec, blocking, deterministic in cases:
+        for name, codec, blocking, deterministic, average in cases:
             comm = TorchDistComm(deterministic=deterministic)
-            x = [
-                torch.full((3, 5), float(rank + 1)) + torch.arange(15.0).view(3, 5) * 0.01,
-                torch.randn(300, generator=torch.Generator().manual_seed(rank)),
-            ]
+            comm.coded_average = average
+            x = _inputs(rank)
             w = topology.mixing_matrix(name, world, round_idx=1, seed=7)
             h = comm.mix_(x, w, codec=codec, blocking=blocking)
             h.wait()
@@ -135,16 +133,40 @@ def _worker(rank, world, port, cases, out):
         dist.destroy_process_group()
 
 
+def _inputs(rank: int) -> list[torch.Tensor]:
+    # 3015 values: four reduce-scatter chunks of three scale blocks, the last one padded.
+    return [
+        torch.full((3, 5), float(rank + 1)) + torch.arange(15.0).view(3, 5) * 0.01,
+        torch.randn(3000, generator=torch.Generator().manual_seed(rank)),
+    ]
+
+
+NUMEL = 3015
 CASES = [
-    ("complete", "fp32", True, False),
-    ("complete", "fp32", True, True),
-    ("complete", "int8", False, False),
-    ("ring", "fp32", False, False),
-    ("ring", "bf16", True, False),
-    ("pairs", "fp32", True, False),
-    ("exponential", "e3m0", False, False),
-    ("none", "fp32", True, False),
+    ("complete", "fp32", True, False, "all_gather"),
+    ("complete", "fp32", True, True, "all_gather"),
+    ("complete", "int8", False, False, "all_gather"),
+    ("ring", "fp32", False, False, "all_gather"),
+    ("ring", "bf16", True, False, "all_gather"),
+    ("pairs", "fp32", True, False, "all_gather"),
+    ("exponential", "e3m0", False, False, "all_gather"),
+    ("none", "fp32", True, False, "all_gather"),
+    ("complete", "e3m0", False, False, "reduce_scatter"),
+    ("complete", "int8", True, False, "reduce_scatter"),
+    ("ring", "e3m0", True, False, "reduce_scatter"),  # not an average: a gossip exchange
 ]
+
+
+def _two_phase_mean(flats: list[torch.Tensor], codec: str) -> torch.Tensor:
+    """The reduce-scatter average written out: chunk j's owner averages its own chunk exact
+    and the others' coded, codes the mean, and everyone decodes every mean."""
+    n, size = len(flats), 768  # 3 blocks of 256: 4 x 768 >= NUMEL
+    chunks = [torch.nn.functional.pad(f, (0, n * size - f.numel())).view(n, size) for f in flats]
+    means = []
+    for j in range(n):
+        seen = [c[j] if r == j else compress.roundtrip(c[j], codec) for r, c in enumerate(chunks)]
+        means.append(compress.roundtrip(weighted_sum([1 / n] * n, seen), codec))
+    return torch.cat(means)[:NUMEL]
 
 
 def test_gossip_on_gloo_matches_w_times_x():
@@ -153,28 +175,25 @@ def test_gossip_on_gloo_matches_w_times_x():
     mp.start_processes(
         _worker, args=(world, free_port(), CASES, out), nprocs=world, start_method="spawn"
     )
-    for c, (name, codec, _, deterministic) in enumerate(CASES):
+    for c, (name, codec, _, deterministic, average) in enumerate(CASES):
         w = topology.mixing_matrix(name, world, round_idx=1, seed=7)
-        inputs = [
-            [
-                torch.full((3, 5), float(r + 1)) + torch.arange(15.0).view(3, 5) * 0.01,
-                torch.randn(300, generator=torch.Generator().manual_seed(r)),
-            ]
-            for r in range(world)
-        ]
-        flats = [torch.cat([t.flatten() for t in xs]) for xs in inputs]
+        flats = [torch.cat([t.flatten() for t in _inputs(r)]) for r in range(world)]
+        two_phase = average == "reduce_scatter" and name == "complete"
         for r in range(world):
             got, sent, received = out[r][c]
+            got = torch.cat([g.flatten() for g in got])
+            if two_phase:  # the same means on every worker, to the bit
+                assert torch.equal(got, _two_phase_mean(flats, codec))
+                assert sent == received == 2 * 3 * compress.wire_bytes(768, codec)
+                continue
             seen = [f if j == r else compress.roundtrip(f, codec) for j, f in enumerate(flats)]
             want = (torch.tensor(w[r]) @ torch.stack(seen).double()).float()
-            torch.testing.assert_close(
-                torch.cat([g.flatten() for g in got]), want, rtol=1e-6, atol=1e-6
-            )
-            payload = compress.wire_bytes(315, codec)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            payload = compress.wire_bytes(NUMEL, codec)
             if name == "none":
                 assert sent == received == 0
             elif name == "complete" and codec == "fp32" and not deterministic:
-                assert sent == received == 2 * 3 * 315 * 4 // 4  # ring all-reduce model
+                assert sent == received == 2 * 3 * NUMEL * 4 // 4  # ring all-reduce model
             else:
                 send_to, recv_from = topology.peers(w, r)
                 assert (sent, received) == (payload * len(send_to), payload * len(recv_from))

@@ -65,6 +65,17 @@ VARIANTS = {
         "outer.fgd.mix2_delay=2",
         "outer.fgd.mix2_momentum=true",
     ),
+    "diloco-e3m0-reduce-scatter": (
+        "outer.codec='e3m0'",
+        "outer.coded_average='reduce_scatter'",
+    ),
+    "fgd-globalm2-reduce-scatter-early": (
+        "outer.strategy='fgd'",
+        "outer.fgd.preset='GlobalM2'",
+        "outer.codec='e3m0'",
+        "outer.coded_average='reduce_scatter'",
+        "outer.fgd.mix2_delay=1",
+    ),
     "streaming-no-overlap": (
         "outer.strategy='streaming'",
         "outer.streaming.fragments=2",

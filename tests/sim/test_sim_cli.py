@@ -51,3 +51,8 @@ def test_simulate_and_compare(text_dir, tmp_path, capsys):
         assert (out / f"{png}.png").stat().st_size > 0
     assert main(["simulate", "--set", "sim.drop_prob=2"]) == 2
     assert "sim.drop_prob = 2" in capsys.readouterr().err
+    sets = ["--set", "sim.drop_prob=0.1", "--set", "outer.coded_average='reduce_scatter'"]
+    assert main(["simulate", *sets]) == 2
+    assert "sim.drop_prob = 0.1: the simulator stands a worker's own value in" in (
+        capsys.readouterr().err
+    )

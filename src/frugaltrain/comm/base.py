@@ -201,6 +201,7 @@ class Comm:
         self.members: list[int] = []
         self.events: list[dict] = []  # the guard's records for worker 0's log (drain_rejections)
         self.wire = Wire()  # what its traffic passes through (fault injection swaps it)
+        self.coded_average = "all_gather"  # or "reduce_scatter": how a coded average travels
         self._op_seq = 0
         self._rejected_self = False
 
@@ -302,6 +303,8 @@ class Comm:
             self.stats.bytes_sent += nbytes
             self.stats.bytes_received += nbytes
             handle = self._all_reduce_sum(tensors, scale=1.0 / n)
+        elif self.coded_average == "reduce_scatter" and not compress.is_sparse(codec):
+            handle = self._average_in_two_phases(tensors, codec, feedback)
         else:
             handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec, feedback)
         if blocking:
@@ -410,6 +413,50 @@ class Comm:
 
         return Handle(self.stats, finish, fetch.is_completed)
 
+    def _average_in_two_phases(
+        self, tensors: list[torch.Tensor], codec: str, feedback: ErrorFeedback | None
+    ) -> Handle:
+        """A coded average as a reduce-scatter then an all-gather, each of coded chunks: worker
+        j averages chunk j of everyone's contribution (its own exact, as in `_mix`), codes the
+        mean and sends it to all. Each worker sends 2 (M-1)/M of its coded payload instead of
+        the gather's M-1 (half at M = 4), at the price of coding the mean once more. Every
+        worker, chunk j's owner included, takes the decoded means, so all hold the same result.
+        The second phase starts when the handle is waited on."""
+        n, me = len(self.members), self.position
+        flat = flatten(tensors)
+        if feedback is not None:
+            flat = feedback.compensate(flat)
+        size = -(-flat.numel() // (n * compress.BLOCK)) * compress.BLOCK  # whole scale blocks
+        chunks = torch.nn.functional.pad(flat, (0, n * size - flat.numel())).view(n, size)
+        parts = [compress.encode(c, codec) for c in chunks]
+        own = chunks[me]
+        if feedback is not None:  # what was sent is what counts; the rest is carried
+            sent = torch.cat([compress.decode(p, codec, size) for p in parts])
+            feedback.keep(flat - sent[: flat.numel()])
+            own = sent[me * size : (me + 1) * size]
+        wire = compress.wire_bytes(size, codec) * 2 * (n - 1)
+        self.stats.bytes_sent += wire
+        self.stats.bytes_received += wire
+        seq = self._op_seq
+        self._op_seq += 2
+        scatter = self._scatter({self.members[j]: parts[j] for j in range(n) if j != me}, seq)
+
+        def finish() -> None:
+            received, rank = scatter.wait_all(), self.rank
+            taken = [
+                j for j in range(n) if j == me or self.wire.received(seq, self.members[j], rank)
+            ]
+            flats = [
+                own if j == me else compress.decode(received[self.members[j]], codec, size)
+                for j in taken
+            ]
+            mean = weighted_sum([1.0 / len(taken)] * len(taken), flats)
+            gathered = self._all_gather(compress.encode(mean, codec), seq + 1).wait_all()
+            means = [compress.decode(gathered[r], codec, size) for r in self.members]
+            unflatten_into(torch.cat(means)[: flat.numel()], tensors)
+
+        return Handle(self.stats, finish)
+
     def drain_rejections(self) -> list[dict]:
         """The guard's records since the last call (`"kind": "rejected"`), for worker 0's
         metrics log; the runtime hands them to the loop at the round end."""
@@ -428,6 +475,25 @@ class Comm:
         self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int
     ) -> Exchange:
         raise NotImplementedError
+
+    def _scatter(self, parts_to: dict[int, list[torch.Tensor]], seq: int) -> Exchange:
+        """Send `parts_to[r]` to each rank r and receive one message from each: a shifted
+        exchange per distance k = 1 .. M-1 (to the member k places on, from the one k back), so
+        every worker posts the same operations in the same order. Runtimes that can post all
+        of it at once override this."""
+        n, me = len(self.members), self.position
+        fetches = []
+        for k in range(1, n):
+            to, frm = self.members[(me + k) % n], self.members[(me - k) % n]
+            fetches.append(self._exchange(parts_to[to], [to], [frm], seq))
+
+        def wait_all() -> dict[int, list[torch.Tensor]]:
+            received: dict[int, list[torch.Tensor]] = {}
+            for fetch in fetches:
+                received.update(fetch.wait_all())
+            return received
+
+        return Exchange(wait_all, lambda: all(f.is_completed() for f in fetches))
 
     def _metric_sum(self, t: torch.Tensor) -> None:
         raise NotImplementedError

@@ -71,18 +71,33 @@ class TorchDistComm(Comm):
     def _exchange(
         self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int
     ) -> Exchange:
+        return self._send_receive(dict.fromkeys(send_to, parts), recv_from, parts, seq)
+
+    def _scatter(self, parts_to: dict[int, list[torch.Tensor]], seq: int) -> Exchange:
+        like = next(iter(parts_to.values()))  # every chunk codes to the same shapes
+        return self._send_receive(parts_to, list(parts_to), like, seq)
+
+    def _send_receive(
+        self,
+        parts_to: dict[int, list[torch.Tensor]],
+        recv_from: list[int],
+        like: list[torch.Tensor],
+        seq: int,
+    ) -> Exchange:
+        """Send `parts_to[peer]` to each peer and receive parts shaped `like` from each of
+        `recv_from`, all in flight at once."""
         tag = (seq % (1 << 20)) * _PARTS
         # Receives first. gloo's TCP pair writes its messages in order on one socket, and a
         # receive is announced to the sender by a message: posted after a send that is already
         # streaming, the announcement waits behind the whole payload and the peer's payload
         # cannot start until it arrives, so the two directions run one after the other.
-        received = {peer: [torch.empty_like(p) for p in parts] for peer in recv_from}
+        received = {peer: [torch.empty_like(p) for p in like] for peer in recv_from}
         works = [
             dist.irecv(buf, group=self.group, tag=tag + k, group_src=peer)
             for peer in recv_from
             for k, buf in enumerate(received[peer])
         ]
-        for peer in send_to:
+        for peer, parts in parts_to.items():
             for k, p in enumerate(parts):
                 works.append(
                     dist.isend(p.contiguous(), group=self.group, tag=tag + k, group_dst=peer)

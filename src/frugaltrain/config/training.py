@@ -28,12 +28,12 @@ from frugaltrain.config.base import ConfigError, Section, require
 # accepts; outer.STRATEGIES maps them to classes whose constructors take these keys, all but
 # auto, which the launcher replaces by the method the planner picks (sim/plan.py) before any
 # worker starts (it reads only H and [outer.auto]).
-_ROUND_KEYS = ("H", "lr", "momentum", "nesterov", "codec", "feedback_decay")
+_ROUND_KEYS = ("H", "lr", "momentum", "nesterov", "codec", "feedback_decay", "coded_average")
 SHARED_KEYS = {
     "ddp": ("H",),
     "diloco": _ROUND_KEYS,
     "fgd": (*_ROUND_KEYS, "param_codec"),
-    "noloco": ("H", "lr", "momentum", "codec", "feedback_decay", "param_codec"),
+    "noloco": ("H", "lr", "momentum", "codec", "feedback_decay", "coded_average", "param_codec"),
     "streaming": _ROUND_KEYS,
     "auto": ("H",),
 }
@@ -608,6 +608,11 @@ class OuterSection(Section):
     feedback_decay: float = 1.0
     """Sparse codecs: what a worker did not send is added to its next round's pseudo-gradient
     times this (1: all of it, 0: dropped, no error feedback)."""
+    coded_average: str = "all_gather"
+    """How an average under a dense codec other than fp32 travels: all_gather (each worker sends
+    its coded payload to the M-1 others; its own values stay exact) or reduce_scatter (coded
+    chunks to their owners, then the owners' coded means to all: 2 (M-1)/M of the payload, half
+    at M = 4, for coding the mean once more). fp32 averages are a ring all-reduce either way."""
     param_codec: str = ""
     """fgd's Mix1 and noloco's pull send parameters, which top-k cannot thin: their dense
     encoding (fp32, bf16, int8, e3m0). Empty: outer.codec when it is dense, else fp32."""
@@ -631,6 +636,7 @@ class OuterSection(Section):
                 error = codec_error(value, dense_only=key == "param_codec")
                 self.require(error is None, key, error or "")
         self.require(0 <= self.feedback_decay <= 1, "feedback_decay", "must be in [0, 1]")
+        self.one_of("coded_average", ("all_gather", "reduce_scatter"))
         self.fgd.require(
             not self.fgd.preset or self.strategy == "fgd",
             "preset",
@@ -933,6 +939,13 @@ def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> 
         True,
         "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_overlap = "
         "false or fault_tolerance.enabled = false",
+    )
+    require(
+        not (ft.enabled and o.coded_average != "all_gather"),
+        "outer.coded_average",
+        o.coded_average,
+        "the fault-tolerant runtime averages as a gather over the members that delivered; set "
+        "outer.coded_average = 'all_gather' or fault_tolerance.enabled = false",
     )
     require(
         not (ft.enabled and o.strategy == "fgd" and o.fgd.mix2_delay),

@@ -77,6 +77,8 @@ class OuterRound:
         codec: encoding of the pseudo-gradients sent (comm.compress).
         feedback_decay: a sparse codec's error feedback carries this much of what was not sent
             into the next round (comm.feedback).
+        coded_average: how the comm moves an average under a dense codec (Comm.coded_average:
+            all_gather or reduce_scatter); it is the run's choice, set on the comm here.
     """
 
     def __init__(
@@ -91,11 +93,13 @@ class OuterRound:
         seed: int = 0,
         codec: str = "fp32",
         feedback_decay: float = 1.0,
+        coded_average: str = "all_gather",
     ) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.comm = comm
+        comm.coded_average = coded_average
         self.H = H
         self.seed = seed
         self.round = 0

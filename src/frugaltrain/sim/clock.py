@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from frugaltrain.comm.base import ring_allreduce_bytes
-from frugaltrain.comm.compress import wire_bytes
+from frugaltrain.comm.compress import BLOCK, is_sparse, wire_bytes
 from frugaltrain.comm.topology import groups_matrix, mixing_matrix, peers
 from frugaltrain.config import Config, ConfigError
 from frugaltrain.models import build_model
@@ -87,8 +87,9 @@ class _Lockstep:
     """One collective on every worker at once: what `Comm.all_reduce_mean_` (w None) and
     `Comm.mix_` (w given) post for `numel` fp32 values, posted for all workers on the world."""
 
-    def __init__(self, world: SimWorld) -> None:
+    def __init__(self, world: SimWorld, coded_average: str = "all_gather") -> None:
         self.world, self.M, self.seq = world, world.M, 0
+        self.coded_average = coded_average
         self.bytes_sent = [0] * world.M
         self._one = torch.zeros(1)  # the all-reduce's payload: only its byte count is read
 
@@ -99,8 +100,36 @@ class _Lockstep:
         if w is None or np.allclose(w, 1.0 / M):  # an exact average
             if codec == "fp32":
                 return self._post_all("allreduce", 4 * numel)
+            if self.coded_average == "reduce_scatter" and not is_sparse(codec):
+                return self._post_two_phases(numel, codec)
             w = np.full((M, M), 1.0 / M)
         return self._post_mix(numel, codec, w)
+
+    def _post_two_phases(self, numel: int, codec: str) -> list:
+        """Comm._average_in_two_phases: M-1 shifted exchanges of a chunk now; the chunks' means
+        gathered once they are waited on (a callable in the returned list)."""
+        M = self.M
+        size = -(-numel // (M * BLOCK)) * BLOCK
+        wire = wire_bytes(size, codec)
+        self.bytes_sent = [b + 2 * (M - 1) * wire for b in self.bytes_sent]
+        phase1 = []
+        for k in range(1, M):
+            self.seq += 1
+            key = ("op", self.seq)
+            for r in range(M):
+                meta = {"wire": wire, "send_to": [(r + k) % M], "recv_from": [(r - k) % M]}
+                phase1.append((r, self.world.post(r, key, "exchange", None, **meta)))
+
+        def phase2() -> None:
+            for r, op in phase1:
+                self.world.wait(r, op)
+            self.seq += 1
+            key = ("op", self.seq)
+            ops = [self.world.post(r, key, "gather", None, nbytes=wire) for r in range(M)]
+            for r, op in enumerate(ops):
+                self.world.wait(r, op)
+
+        return [phase2]
 
     def _post_all(self, kind: str, nbytes: int) -> list:
         self.seq += 1
@@ -126,6 +155,9 @@ class _Lockstep:
         return ops
 
     def wait(self, ops: list | None) -> None:
+        if ops and callable(ops[0]):  # a two-phase average: its waits post the second phase
+            ops[0]()
+            return
         for r, op in enumerate(ops or ()):
             self.world.wait(r, op)
 
@@ -336,7 +368,7 @@ def clock(cfg: Config, sim: SimSection) -> Clock:
     M, steps, H = cfg.run.workers, cfg.run.steps, cfg.outer.H
     sizes, num_params = trainable_sizes(cfg)
     world = SimWorld(M, build_network(sim, cfg, num_params), sim)
-    net = _Lockstep(world)
+    net = _Lockstep(world, cfg.outer.coded_average)
     schedule = SCHEDULES[cfg.outer.strategy](cfg, sizes, net)
     dt = step_times(sim, M, steps, H)
     forge = is_forge(cfg.optim)  # FORGE leaves no gradient: the loop never calls sync_grads

@@ -147,6 +147,13 @@ class SimSection(Section):
         if self.crash_worker >= 0:
             self.require(M >= 2, "crash_worker", "a crash needs run.workers >= 2")
             self.at_least("crash_rounds", 1, "with a crash")
+        self.require(
+            self.drop_prob == 0 or cfg.outer.coded_average == "all_gather",
+            "drop_prob",
+            "the simulator stands a worker's own value in for a lost message, which a "
+            "reduce-scatter's chunk does not have; set sim.drop_prob = 0 or "
+            "outer.coded_average = 'all_gather'",
+        )
         require(
             cfg.outer.strategy != "auto",
             "outer.strategy",
