@@ -1315,6 +1315,13 @@ GLOBALM2_PAIRS = (  # DiLoCo's round sent a step early, keeping or discarding th
     ("GlobalM2-4bit-H5-d1", "diloco-e3m0-H5"),
     ("streaming-H5-f1", "diloco-e3m0-H5"),
 )
+RS_FILES = ("fgd_reduce_scatter_stdlib.json", "fgd_reduce_scatter.json")
+RS_PAIRS = (  # 4-bit averages as a reduce-scatter then an all-gather, against the gather
+    ("GlobalM2-4bit-H5-d1-rs", "diloco"),
+    ("diloco-e3m0-H5-rs", "diloco"),
+    ("GlobalM2-4bit-H5-d1", "diloco"),
+    ("GlobalM2-4bit-H5-d1-rs", "GlobalM2-4bit-H5-d1"),
+)
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1337,6 +1344,10 @@ README_LINKS = (  # (label, method, the files it was measured in)
     ("DiLoCo, 4-bit, H = 5", "diloco-e3m0-H5", ("time_to_loss_globalm2.json",)),
     ("FGD `GlobalM2` (DiLoCo's round), 4-bit, H = 5, Mix2 a step early", "GlobalM2-4bit-H5-d1",
      ("time_to_loss_globalm2.json",)),
+    ("DiLoCo, 4-bit as a reduce-scatter, H = 5", "diloco-e3m0-H5-rs",
+     ("time_to_loss_reduce_scatter.json",)),
+    ("FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
+     "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_reduce_scatter.json",)),
 )  # fmt: skip
 README_LINK_FILES = tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names))
 
@@ -1499,6 +1510,20 @@ TABLES = {
     "time-to-loss-globalm2": _time_to_loss("time_to_loss_globalm2.json", time_to_loss_table),
     "time-to-loss-globalm2-split": _time_to_loss("time_to_loss_globalm2.json", time_split_table),
     "time-to-loss-globalm2-plan": _plan("time_to_loss_globalm2.json"),
+    "time-to-loss-rs-links": _time_to_loss("time_to_loss_reduce_scatter.json", links_table),
+    "time-to-loss-rs": _time_to_loss("time_to_loss_reduce_scatter.json", time_to_loss_table),
+    "time-to-loss-rs-split": _time_to_loss("time_to_loss_reduce_scatter.json", time_split_table),
+    "time-to-loss-rs-plan": _plan("time_to_loss_reduce_scatter.json"),
+    "time-to-loss-rs-slow-links": _time_to_loss(
+        "time_to_loss_reduce_scatter_slow.json", links_table
+    ),
+    "time-to-loss-rs-slow": _time_to_loss(
+        "time_to_loss_reduce_scatter_slow.json", time_to_loss_table
+    ),
+    "time-to-loss-rs-slow-split": _time_to_loss(
+        "time_to_loss_reduce_scatter_slow.json", time_split_table
+    ),
+    "time-to-loss-rs-slow-plan": _plan("time_to_loss_reduce_scatter_slow.json"),
     "time-to-loss-period-split": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),
@@ -1593,6 +1618,7 @@ TABLES = {
     ),
     "fgd-globalm2-h50": Table("docs/results/fgd.md", ("fgd_globalm2_h50.json",), fgd_corpora),
     "fgd-globalm2": Table("docs/results/fgd.md", GLOBALM2_FILES, fgd_pair_ratios(GLOBALM2_PAIRS)),
+    "fgd-reduce-scatter": Table("docs/results/fgd.md", RS_FILES, fgd_pair_ratios(RS_PAIRS)),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)

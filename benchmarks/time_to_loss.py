@@ -105,6 +105,22 @@ METHODS = {  # name -> (example config, extra overrides)
             "outer.fgd.mix2_delay=1",
         ],
     ),
+    # The same two with their 4-bit average as a reduce-scatter then an all-gather of coded
+    # chunks: half the bytes at 4 workers, the mean coded once more.
+    "diloco-e3m0-H5-rs": (
+        "diloco",
+        ["outer.codec='e3m0'", "outer.H=5", "outer.coded_average='reduce_scatter'"],
+    ),
+    "GlobalM2-4bit-H5-d1-rs": (
+        "fgd_globalm1_localm2_int8",
+        [
+            "outer.fgd.preset='GlobalM2'",
+            "outer.codec='e3m0'",
+            "outer.H=5",
+            "outer.fgd.mix2_delay=1",
+            "outer.coded_average='reduce_scatter'",
+        ],
+    ),
     "streaming-H4": ("streaming", ["outer.H=4"]),  # its fragments must divide H
 }
 
@@ -517,6 +533,8 @@ PENALTY_FILES = (
     "time_to_loss_h5.json",
     "time_to_loss_h5_d1.json",
     "time_to_loss_globalm2.json",
+    "time_to_loss_reduce_scatter.json",
+    "time_to_loss_reduce_scatter_slow.json",
 )
 """The results the planner's penalties come from (under benchmarks/results/), in order: a method
 measured in more than one takes the first's. Every method at DiLoCo's outer step for H = 10

@@ -55,12 +55,14 @@ AUTO_METHODS = (
     "diloco-e3m0-H5",
     "streaming-H4",
     "GlobalM2-4bit-H5-d1",
+    "diloco-e3m0-H5-rs",
+    "GlobalM2-4bit-H5-d1-rs",
 )
 """The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: each an example
 config's [outer] (examples/) as benchmarks/time_to_loss.py measured it side by side;
 sim/penalties.json holds each one's [outer] table as measured and its measured step penalty.
-The last five ran at their own H against DiLoCo's (H = 5 or 4 against 10, "-H5", "-H4") and plan
-at that fraction of outer.H."""
+The last seven ran at their own H against DiLoCo's (H = 5 or 4 against 10, "-H5", "-H4") and
+plan at that fraction of outer.H; "-rs" ones take their 4-bit average as a reduce-scatter."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
