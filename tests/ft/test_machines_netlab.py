@@ -2,12 +2,13 @@
 coordinator in one, a `join` agent in each of the others. Root only (namespaces and tc).
 
 One run, three events: the machine holding slot 0 (the source of the run's log) is killed
-whole (every process of its namespace): the others go on without restarting anything, the
-coordinator frees its slot and logs from the next machine; a new machine joins into that slot
-and is admitted at a round end with its donor's state (equal digests); then a machine is cut
-off (its link down) until the coordinator frees its slot, and once its link is back it joins
-again and rejoins from a live peer. Every round is logged once, with the members the changes
-before it left.
+whole (every process of its namespace): the others restart nothing, the coordinator frees its
+slot and logs from the next machine; a new machine joins into that slot and is admitted at a
+round end with its donor's state (equal digests); then a machine is cut off (its link down)
+until the coordinator frees its slot, and once its link is back it joins again and rejoins from
+a live peer. run.min_workers = 3 holds the others at a round end after each loss until the
+slot is filled again, so the run cannot end before an event however slow this host is. Every
+round is logged once, with the members the changes before it left.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from frugaltrain.netlab.lab import NetLab, why_not_available
 REASON = why_not_available()
 SETS = (
     "run.workers=3",
-    "run.steps=400",  # 100 rounds of H = 4, each paced by the shaped links: room for 3 events
+    "run.min_workers=3",  # a loss holds the others until the slot is filled: no race with the end
+    "run.steps=120",  # 30 rounds of H = 4, each paced by the shaped links
+    "run.timeout_s=120",  # the longest the others wait for a machine to come in
     "outer.H=4",
     "run.threads=1",
     "run.eval_every=0",
@@ -44,6 +47,9 @@ def machine(lab: NetLab, i: int) -> list[str]:
     return [*lab.exec_args(i), "env", "GLOO_SOCKET_IFNAME=eth0"]
 
 
+# Three machines starting, one of them twice, and the others held until each is in: about 2
+# minutes under the full suite's load, over the default 120 s.
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
     cfg = config_factory(tmp_path / "coord", *SETS)
@@ -61,8 +67,6 @@ def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
             wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord])
             lab.kill(1)  # a machine lost whole
             wait_for(lambda: "lost (connection closed)" in run.log(), "slot 0 freed", procs=[coord])
-            at = rounds_logged(run)
-            wait_for(lambda: rounds_logged(run) >= at + 2, "2 rounds without it", procs=[coord])
             agents["late"] = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
             wait_for(lambda: run.log().count("joined: slots [0]") == 2, "late in", procs=[coord])
             at = rounds_logged(run)
@@ -84,7 +88,7 @@ def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
 
     records = read_metrics(run.coord_dir / "metrics.jsonl")
     rounds = [r for r in records if r.get("kind") == "round"]
-    assert [r["round"] for r in rounds] == list(range(1, 101))  # each round once
+    assert [r["round"] for r in rounds] == list(range(1, 31))  # each round once
     assert [r["ft/members"] for r in rounds] == members_per_round(records, 3)
     events = membership(records)
     left = [e for e in events if "reason" in e]
