@@ -1760,23 +1760,29 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def regenerate(text: str, name: str, table: Table, results: Path = RESULTS) -> str:
+def render(table: Table, results: Path = RESULTS) -> str:
+    """What `table` says, from its result files: the text between its markers."""
+    files = [_read((ROOT if "/" in f else results) / f) for f in table.files]
+    return table.render(files) + "\n"
+
+
+def regenerate(text: str, name: str, table: Table, body: str | None = None) -> str:
     """`text` with table `name` written anew between its markers (ValueError without them),
-    indented as the closing marker is (a table inside a list item)."""
+    indented as the closing marker is (a table inside a list item); `body`: already rendered."""
     span = _span(name)
     if not span.search(text):
         raise ValueError(f"{table.doc}: no markers for table {name!r}; add them around it")
-    files = [_read((ROOT if "/" in f else results) / f) for f in table.files]
-    body = table.render(files) + "\n"
+    body = render(table) if body is None else body
     return span.sub(lambda m: m.group(1) + textwrap.indent(body, m.group(4)) + m.group(3), text)
 
 
-def stale(root: Path = ROOT) -> list[str]:
-    """The tables whose doc under `root` differs from what their result files give."""
+def stale(root: Path = ROOT, bodies: dict[str, str] | None = None) -> list[str]:
+    """The tables whose doc under `root` differs from what their result files give; `bodies`:
+    every table already rendered, to check many copies of the docs at the cost of one."""
     out = []
     for name, table in TABLES.items():
         text = (root / table.doc).read_text()
-        if regenerate(text, name, table) != text:
+        if regenerate(text, name, table, bodies[name] if bodies else None) != text:
             out.append(f"{table.doc}: table {name}")
     return out
 
