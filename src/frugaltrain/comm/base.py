@@ -426,7 +426,7 @@ class Comm:
         flat = flatten(tensors)
         if feedback is not None:
             flat = feedback.compensate(flat)
-        size = -(-flat.numel() // (n * compress.BLOCK)) * compress.BLOCK  # whole scale blocks
+        size = compress.chunk_numel(flat.numel(), n)
         chunks = torch.nn.functional.pad(flat, (0, n * size - flat.numel())).view(n, size)
         parts = [compress.encode(c, codec) for c in chunks]
         own = chunks[me]

@@ -65,6 +65,12 @@ def wire_bytes(numel: int, codec: str) -> int:
     raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
 
 
+def chunk_numel(numel: int, parts: int) -> int:
+    """Values in each of `parts` equal chunks that cover `numel`: whole scale blocks, so each
+    chunk codes alone exactly as it would inside the whole (the last one padded)."""
+    return -(-numel // (parts * BLOCK)) * BLOCK
+
+
 def _blocks(flat: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % BLOCK
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from frugaltrain.comm.base import ring_allreduce_bytes
-from frugaltrain.comm.compress import BLOCK, is_sparse, wire_bytes
+from frugaltrain.comm.compress import chunk_numel, is_sparse, wire_bytes
 from frugaltrain.comm.topology import groups_matrix, mixing_matrix, peers
 from frugaltrain.config import Config, ConfigError
 from frugaltrain.models import build_model
@@ -109,7 +109,7 @@ class _Lockstep:
         """Comm._average_in_two_phases: M-1 shifted exchanges of a chunk now; the chunks' means
         gathered once they are waited on (a callable in the returned list)."""
         M = self.M
-        size = -(-numel // (M * BLOCK)) * BLOCK
+        size = chunk_numel(numel, M)
         wire = wire_bytes(size, codec)
         self.bytes_sent = [b + 2 * (M - 1) * wire for b in self.bytes_sent]
         phase1 = []
