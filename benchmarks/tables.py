@@ -1322,6 +1322,7 @@ RS_PAIRS = (  # 4-bit averages as a reduce-scatter then an all-gather, against t
     ("GlobalM2-4bit-H5-d1", "diloco"),
     ("GlobalM2-4bit-H5-d1-rs", "GlobalM2-4bit-H5-d1"),
 )
+RS_DILOCO_FILES = ("fgd_reduce_scatter_diloco.json",)  # DiLoCo e3m0 H = 5 on the untuned corpora
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1619,6 +1620,9 @@ TABLES = {
     "fgd-globalm2-h50": Table("docs/results/fgd.md", ("fgd_globalm2_h50.json",), fgd_corpora),
     "fgd-globalm2": Table("docs/results/fgd.md", GLOBALM2_FILES, fgd_pair_ratios(GLOBALM2_PAIRS)),
     "fgd-reduce-scatter": Table("docs/results/fgd.md", RS_FILES, fgd_pair_ratios(RS_PAIRS)),
+    "fgd-reduce-scatter-diloco": Table(
+        "docs/results/fgd.md", RS_DILOCO_FILES, fgd_pair_ratios(RS_PAIRS[1:2])
+    ),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
