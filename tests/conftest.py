@@ -28,6 +28,18 @@ GROUPS = {
     ),
 }
 
+# Module-scoped fixtures that train reference jobs (20-60 s each): the tests that use one run on
+# one worker, so its jobs run once instead of once on each worker.
+SHARED_JOBS = {
+    "tests/test_sharding.py": ("runs",),
+    "tests/test_outer.py": ("gloo_runs",),
+    "tests/test_outer_loop.py": ("gloo_runs",),
+    "tests/test_hf_models.py": ("runs",),
+    "tests/test_observability.py": ("real_run", "sim_run"),
+    "tests/sim/test_sim_equality.py": ("runs",),
+    "tests/ft/test_ft_poisoning.py": ("clean",),
+}
+
 
 def pytest_configure(config) -> None:
     # pytest-xdist moves a test to its group by writing "@group" into the item's _nodeid; a
@@ -45,6 +57,16 @@ def pytest_collection_modifyitems(config, items) -> None:
         for group, paths in GROUPS.items():
             if item.nodeid.startswith(paths):
                 item.add_marker(pytest.mark.xdist_group(group))
+        path = item.nodeid.split("::")[0]
+        if set(SHARED_JOBS.get(path, ())) & _fixtures_asked_for(item):
+            item.add_marker(pytest.mark.xdist_group(path))
+
+
+def _fixtures_asked_for(item) -> set[str]:
+    """The fixtures a test takes as arguments or names in its parameters (getfixturevalue)."""
+    params = getattr(item, "callspec", None)
+    named = {v for v in params.params.values() if isinstance(v, str)} if params else set()
+    return set(item.fixturenames) | named
 
 
 @pytest.fixture(autouse=True)
