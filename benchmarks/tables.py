@@ -1186,13 +1186,15 @@ def fgd_outer_choice(
     return render
 
 
-def fgd_pair_ratios(pairs: tuple[tuple[str, str], ...]) -> Callable[[list[dict]], str]:
+def fgd_pair_ratios(
+    pairs: tuple[tuple[str, str], ...], model: str = "base"
+) -> Callable[[list[dict]], str]:
     """Per (method, reference) pair and corpus: method's final validation loss over the
     reference's of the same seed, each seed, the mean and the worst, on each worker's own model
-    and on the averaged one."""
+    and on the averaged one (fgd_corpora's `model`)."""
 
     def render(files: list[dict]) -> str:
-        runs = _corpora_runs(files)
+        runs = _corpora_runs(files, model)
         corpora = sorted({c for _, c, _ in runs})
         seeds = sorted({s for _, _, s in runs})
         parts = []
@@ -1202,7 +1204,7 @@ def fgd_pair_ratios(pairs: tuple[tuple[str, str], ...]) -> Callable[[list[dict]]
         ):
             head = " | ".join(f"seed {s}" for s in seeds)
             lines = [
-                f"{what}, base model (simulated):\n",
+                f"{what}, {model} model (simulated):\n",
                 f"| method / reference | corpus | {head} | mean | worst |",
                 "|---" * (len(seeds) + 4) + "|",
             ]
@@ -1323,6 +1325,7 @@ RS_PAIRS = (  # 4-bit averages as a reduce-scatter then an all-gather, against t
     ("GlobalM2-4bit-H5-d1-rs", "GlobalM2-4bit-H5-d1"),
 )
 RS_DILOCO_FILES = ("fgd_reduce_scatter_diloco.json",)  # DiLoCo e3m0 H = 5 on the untuned corpora
+RS_DILOCO_4X_FILES = ("fgd_reduce_scatter_diloco_4x.json",)  # the same on the 4x model
 DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
     (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
     for m in ("diloco", "streaming")
@@ -1622,6 +1625,9 @@ TABLES = {
     "fgd-reduce-scatter": Table("docs/results/fgd.md", RS_FILES, fgd_pair_ratios(RS_PAIRS)),
     "fgd-reduce-scatter-diloco": Table(
         "docs/results/fgd.md", RS_DILOCO_FILES, fgd_pair_ratios(RS_PAIRS[1:2])
+    ),
+    "fgd-reduce-scatter-diloco-4x": Table(
+        "docs/results/fgd.md", RS_DILOCO_4X_FILES, fgd_pair_ratios(RS_PAIRS[1:2], "4x")
     ),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(
