@@ -307,11 +307,13 @@ def test_a_run_beside_its_baseline_plots_both_against_wall_clock(make_config, tm
 
     cfg = make_config("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'", "outer.codec='int8'")
     assert baseline_config(cfg, "diloco").outer.codec == "fp32"  # the baseline sends exact values
+    coded = make_config("outer.codec='e3m0'", "outer.coded_average='reduce_scatter'")
+    assert baseline_config(coded, "diloco").outer.coded_average == "all_gather"
     path = tmp_path / "run.toml"
     path.write_text(to_toml(cfg))
     assert cli.main(["train", "--config", str(path), "--baseline", "diloco"]) == 0
     out = capsys.readouterr().out
-    assert "fgd beside diloco (baseline measured now" in out
+    assert "fgd int8 beside diloco (baseline measured now" in out  # the codec tells them apart
     plot = Path(out.split("plot: ")[-1].split()[0])
     assert plot.name == "beside_diloco.png" and plot.stat().st_size > 0
     theirs = read_metrics(baseline_dir(baseline_config(cfg, "diloco")) / "metrics.jsonl")

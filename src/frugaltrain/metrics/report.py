@@ -142,8 +142,9 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(ours: dict, theirs: dict) -> str:
-    """Two runs' headline figures side by side (ours first), with their ratio."""
+def format_comparison(ours: dict, theirs: dict, names: tuple[str, str] | None = None) -> str:
+    """Two runs' headline figures side by side (ours first), with their ratio; `names` label the
+    columns (default: each run's strategy)."""
     rows = [
         ("val loss (last eval)", "loss/val_last"),
         ("compute utilization", "util/compute"),
@@ -152,7 +153,7 @@ def format_comparison(ours: dict, theirs: dict) -> str:
         ("bytes sent per worker", "comm/bytes_sent"),
         ("wall s", "time/wall_s"),
     ]
-    names = (f"{ours.get('strategy')}", f"{theirs.get('strategy')}")
+    names = names or (f"{ours.get('strategy')}", f"{theirs.get('strategy')}")
     clock = ours.get("clock", "measured")
     width = max(len(k) for k, _ in rows) + len(clock) + 3
     lines = [f"{'metric':<{width}}{names[0]:>12}{names[1]:>12}{'ratio':>9}"]

@@ -21,7 +21,7 @@ from frugaltrain.metrics.log import read_metrics
 from frugaltrain.metrics.report import plot_loss_vs_wall, report
 from frugaltrain.train import checkpoint
 
-EXACT = ("codec", "param_codec", "feedback_decay")
+EXACT = ("codec", "param_codec", "feedback_decay", "coded_average")
 """[outer] keys a baseline keeps at their defaults: it sends exact values (a codec chosen for the
 run's own traffic, such as fgd's Mix2 in int8, is not the baseline's)."""
 
@@ -42,6 +42,13 @@ def baseline_config(cfg: Config, strategy: str) -> Config:
     outer = dataclasses.replace(outer, **exact)
     run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
     return dataclasses.replace(cfg, outer=outer, run=run)
+
+
+def method_label(cfg: Config) -> str:
+    """The outer strategy and, when it is not fp32, its codec: what tells a run from its
+    baseline when both are the same strategy."""
+    codec = cfg.outer.codec
+    return cfg.outer.strategy if codec == "fp32" else f"{cfg.outer.strategy} {codec}"
 
 
 def baseline_dir(cfg: Config) -> Path:
@@ -68,12 +75,15 @@ def run_baseline(cfg: Config, strategy: str, run) -> tuple[dict, str]:
 def plot_beside(cfg: Config, run_dir: Path, strategy: str) -> Path:
     """The run's and its baseline's validation loss against wall clock, as run_dir/
     beside_STRATEGY.png (each on its own measured clock)."""
-    base_dir = baseline_dir(baseline_config(cfg, strategy))
+    base = baseline_config(cfg, strategy)
     runs = [
         (
-            f"{cfg.outer.strategy} ({run_dir.name}, measured)",
+            f"{method_label(cfg)} ({run_dir.name}, measured)",
             read_metrics(run_dir / "metrics.jsonl"),
         ),
-        (f"{strategy} (baseline, measured)", read_metrics(base_dir / "metrics.jsonl")),
+        (
+            f"{method_label(base)} (baseline, measured)",
+            read_metrics(baseline_dir(base) / "metrics.jsonl"),
+        ),
     ]
     return plot_loss_vs_wall(runs, run_dir / f"beside_{strategy}.png")

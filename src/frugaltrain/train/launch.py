@@ -437,10 +437,16 @@ def train_from_cli(
     if is_rank0:
         summary = report(run_dir)
         if baseline:
-            from frugaltrain.train.baseline import plot_beside, run_baseline
+            from frugaltrain.train.baseline import (
+                baseline_config,
+                method_label,
+                plot_beside,
+                run_baseline,
+            )
 
             theirs, where = run_baseline(cfg, baseline, run)
-            print(f"\n{cfg.outer.strategy} beside {baseline} (baseline {where}):")
-            print(format_comparison(summary, theirs))
+            names = (method_label(cfg), method_label(baseline_config(cfg, baseline)))
+            print(f"\n{names[0]} beside {names[1]} (baseline {where}):")
+            print(format_comparison(summary, theirs, names))
             print(f"plot: {plot_beside(cfg, run_dir, baseline)}")
     return 0
