@@ -1126,13 +1126,13 @@ def fgd_corpora_merged(files: list[dict]) -> str:
     return fgd_corpora([merged])
 
 
-def _corpora_runs(files: list[dict]) -> dict[tuple[str, str, int], dict]:
-    """(method, corpus, seed) -> run, base model, over fgd_corpora result files; a run found in
+def _corpora_runs(files: list[dict], model: str = "base") -> dict[tuple[str, str, int], dict]:
+    """(method, corpus, seed) -> run of `model`, over fgd_corpora result files; a run found in
     two files must be the same to the bit (a baseline rerun), or this raises."""
     out: dict = {}
     for f in files:
         for r in f["runs"]:
-            if r["model"] != "base":
+            if r["model"] != model:
                 continue
             key = (r["method"], r["corpus"], r["seed"])
             same = ("loss_val", "loss_val_avg_model")
@@ -1333,6 +1333,22 @@ DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old on
 DEFAULT_JOB_PAIRS = (("streaming-m0-lr1.0", "diloco-m0-lr1.0"),)  # the picks
 DEFAULT_JOB_FILES = tuple(
     f"default_job_{part}_{m}.json" for part in ("grid", "report") for m in ("diloco", "streaming")
+)
+FLAGSHIP_JOB = "diloco-e3m0-H5-rs"  # the default job now: DiLoCo at H = 5, 4 bits, reduce-scatter
+FLAGSHIP_JOB_GRID = (
+    (
+        f"{FLAGSHIP_JOB}-lr0.35-m0.8",
+        *(f"{FLAGSHIP_JOB}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")),
+    ),
+)
+FLAGSHIP_JOB_PAIRS = ((f"{FLAGSHIP_JOB}-m0-lr1.0", "diloco-m0-lr1.0"),)  # the pick
+FLAGSHIP_JOB_FILES = (
+    "default_job_grid_rs_a.json",  # DiLoCo at the job's H = 16, and the job's earlier step
+    "default_job_grid_rs_b.json",
+    "default_job_report_diloco.json",
+    "default_job_report_rs_doc.json",
+    "default_job_report_include_diloco.json",
+    "default_job_report_rs_include.json",
 )
 E3M0_GRID = (("diloco", "diloco-e3m0-m0-lr1.0", "diloco-e3m0-m0-lr1.26", "diloco-e3m0-m0-lr1.6"),)
 E3M0_PAIRS = (("diloco-e3m0-m0-lr1.26", "diloco"),)  # the pick over DiLoCo at its own
@@ -1635,6 +1651,12 @@ TABLES = {
     ),
     "default-job-pairs": Table(
         "docs/models.md", DEFAULT_JOB_FILES, hf_pair_ratios(DEFAULT_JOB_PAIRS)
+    ),
+    "flagship-job-choice": Table(
+        "docs/models.md", FLAGSHIP_JOB_FILES[:2], hf_outer_choice(FLAGSHIP_JOB_GRID)
+    ),
+    "flagship-job-pairs": Table(
+        "docs/models.md", FLAGSHIP_JOB_FILES, hf_pair_ratios(FLAGSHIP_JOB_PAIRS)
     ),
     "e3m0-choice": Table(
         "docs/results/compression.md",
