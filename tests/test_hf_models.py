@@ -224,7 +224,7 @@ def test_llama_on_token_shards_resumes_bitwise_after_a_kill(config_factory, text
     tok = train_tokenizer("", 300, tmp_path / "tok", max_bytes=100_000)
     shards = tmp_path / "shards"
     prepare(str(text_dir), str(tok), str(shards), val_fraction=0.2)
-    sets = (*LLAMA, "run.workers=2", "run.steps=160", "run.checkpoint_every=1")
+    sets = (*LLAMA, "run.workers=2", "run.steps=80", "run.checkpoint_every=1")
     sets += (f"data.path='{shards}'", "model.vocab_size=300", "run.progress=false")
     full = config_factory(tmp_path, *sets, "run.name='full'")
     full_dir = launch.new_run_dir(full)
@@ -241,7 +241,7 @@ def test_llama_on_token_shards_resumes_bitwise_after_a_kill(config_factory, text
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers, mid-run
     proc.wait()
     run_dir = tmp_path / "killed"
-    assert checkpoint.latest_complete(run_dir).name < "round_000040"  # killed before the end
+    assert checkpoint.latest_complete(run_dir).name < "round_000020"  # killed before the end
     cfg, run_dir, ckpt = launch.prepare(None, [], str(run_dir))
     launch.run(cfg, run_dir, ckpt)
 
@@ -250,6 +250,6 @@ def test_llama_on_token_shards_resumes_bitwise_after_a_kill(config_factory, text
             torch.load(checkpoint.latest_complete(d) / f"worker_{rank}.pt", weights_only=False)
             for d in (full_dir, run_dir)
         )
-        assert a["step"] == b["step"] == 160 and a["data"] == b["data"]
+        assert a["step"] == b["step"] == 80 and a["data"] == b["data"]
         assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
         assert _same(a["outer"]["outer"], b["outer"]["outer"])
