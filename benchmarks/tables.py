@@ -1364,7 +1364,7 @@ README_LINKS = (  # (label, method, the files it was measured in)
     ("DiLoCo, 4-bit, H = 5", "diloco-e3m0-H5", ("time_to_loss_globalm2.json",)),
     ("FGD `GlobalM2` (DiLoCo's round), 4-bit, H = 5, Mix2 a step early", "GlobalM2-4bit-H5-d1",
      ("time_to_loss_globalm2.json",)),
-    ("DiLoCo, 4-bit as a reduce-scatter, H = 5", "diloco-e3m0-H5-rs",
+    ("The flagship: DiLoCo, 4-bit as a reduce-scatter, H = 5", "diloco-e3m0-H5-rs",
      ("time_to_loss_reduce_scatter.json",)),
     ("FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
      "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_reduce_scatter.json",)),
