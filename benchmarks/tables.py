@@ -1792,9 +1792,9 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def render(table: Table, results: Path = RESULTS) -> str:
+def render(table: Table) -> str:
     """What `table` says, from its result files: the text between its markers."""
-    files = [_read((ROOT if "/" in f else results) / f) for f in table.files]
+    files = [_read((ROOT if "/" in f else RESULTS) / f) for f in table.files]
     return table.render(files) + "\n"
 
 
