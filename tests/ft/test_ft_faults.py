@@ -1,8 +1,9 @@
 """Fault tolerance on the real runtime: 3 gloo worker processes on loopback, faults injected.
 
-Each run is kept short: a tiny model, and in the kill run every worker sleeps 3x its step time
-(an injected straggler on all workers: no CPU used) so the killed worker has time to restart and
-rejoin before the run ends, even on a busy 2-core machine.
+Each run is kept short: a tiny model, and in the kill run every worker sleeps 0.1 s after each
+inner step (an injected straggler on all workers: no CPU used), so the 110 steps after the kill
+last at least 11 s and the killed worker has time to restart and rejoin before the run ends, even
+on a busy 2-core machine (a sleep of 3x the step time, about 2 s in all, was not always enough).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def test_ft_kill_and_rejoin(config_factory, tmp_path: Path):
         *ckpt,
         "fault_tolerance.enabled=true",
         "run.timeout_s=20",
-        "fault_tolerance.inject='kill:worker=2,round=3;slow:factor=3'",
+        "fault_tolerance.inject='kill:worker=2,round=3;slow:seconds=0.1'",
     )
     run_dir, records = _run(cfg)
     events = [r for r in records if r.get("kind") == "membership"]
