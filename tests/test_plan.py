@@ -21,6 +21,7 @@ from frugaltrain.sim import plan as planner
 from frugaltrain.sim.clock import clock
 from frugaltrain.sim.plan import (
     StepTime,
+    baseline_H,
     format_plan,
     links_from_probe,
     links_given,
@@ -224,6 +225,24 @@ def test_a_method_measured_at_its_own_H_plans_at_that_fraction_of_outer_H(make_c
     assert rows["streaming-H4"].time_s is None
     assert "must be a multiple of outer.H = 4" in rows["streaming-H4"].note
     assert "streaming-H4: not for this config" in format_plan(p)
+
+
+def test_a_config_that_is_a_method_measured_at_a_fraction_of_H_plans_at_its_own_H(make_config):
+    # examples/default.toml's [outer] is diloco-e3m0-H5-rs at H = 5, measured against DiLoCo at
+    # 10: DiLoCo plans at 10 and the config's own method at the 5 it runs, not at 2 (half of 5).
+    flagship = load_penalties()["methods"]["diloco-e3m0-H5-rs"]
+    assert flagship["H_fraction"] == 0.5
+    own = [f"outer.{k}={v!r}" for k, v in flagship["outer"].items()]
+    cfg = make_config(*TINY, *own, "outer.H=5", "run.steps=30")
+    assert baseline_H(cfg) == 10
+    links = links_given([2.0], cfg.run.workers)
+    p = make_plan(cfg, links, StepTime(0.05, "measured (a test's figure)"))
+    rows = {r.method: r for r in p.rows}
+    assert p.H == 10 and rows["diloco"].H == 10 and rows["diloco-e3m0-H5-rs"].H == 5
+    assert format_plan(p).startswith("plan: 4 workers, 30 inner steps, DiLoCo's outer.H = 10")
+    # One key of [outer] otherwise: not that method, so outer.H is DiLoCo's as for any config.
+    other = make_config(*TINY, *own, "outer.H=5", "run.steps=30", "outer.momentum=0.5")
+    assert baseline_H(other) == 5
 
 
 def test_each_estimate_lies_between_its_fastest_and_slowest_seed(make_config):

@@ -1,8 +1,10 @@
 """Which outer method reaches DiLoCo's model quality soonest in wall clock on your links: the
 planner behind `frugaltrain plan` and `outer.strategy = "auto"`. It takes seconds.
 
-Per method (config.AUTO_METHODS: the examples' [outer] tables, with this config's outer.H, or
-the fraction of it a method was measured at: H = 5 against DiLoCo's 10 plans half of outer.H):
+Per method (config.AUTO_METHODS: the examples' [outer] tables, at DiLoCo's H or the fraction of
+it a method was measured at: H = 5 against DiLoCo's 10 plans half of it). DiLoCo's H is the
+config's outer.H, unless the config is itself such a method: then it is twice, or whatever the
+fraction makes it (baseline_H):
 
     step time      measured: 1 warm-up and 3 timed inner steps of this config's model, batch
                    and inner optimizer on this machine (step.inner_step), one step time for all
@@ -62,11 +64,37 @@ def check_methods(names: list[str], key: str) -> None:
             )
 
 
-def method_H(cfg: Config, entry: dict) -> int:
-    """The method's outer.H under `cfg`: the config's, or for a method measured at a fraction of
-    DiLoCo's H (penalties.json's H_fraction, e.g. 0.5 for rounds twice as often) that fraction of
-    it, rounded, at least 1."""
-    return max(1, round(cfg.outer.H * entry.get("H_fraction", 1.0)))
+def method_H(cfg: Config, entry: dict, baseline: int | None = None) -> int:
+    """The method's outer.H under `cfg`: DiLoCo's (`baseline`, default baseline_H), or for a
+    method measured at a fraction of DiLoCo's H (penalties.json's H_fraction, e.g. 0.5 for
+    rounds twice as often) that fraction of it, rounded, at least 1."""
+    H = baseline or baseline_H(cfg)
+    return max(1, round(H * entry.get("H_fraction", 1.0)))
+
+
+def baseline_H(cfg: Config, methods: dict | None = None) -> int:
+    """DiLoCo's outer.H in the plan: the config's, unless the config's [outer] table is a
+    method measured at a fraction of DiLoCo's H; then its H over that fraction, so the method
+    plans at the H it runs (examples/default.toml: DiLoCo in e3m0 at H = 5, measured against
+    DiLoCo at 10, plans DiLoCo at 10 and itself at 5)."""
+    own = _outer_without_H(cfg)
+    for entry in (methods or load_penalties()["methods"]).values():
+        fraction = entry.get("H_fraction", 1.0)
+        if fraction == 1.0:
+            continue
+        try:
+            same = _outer_without_H(method_config(cfg, entry["outer"])) == own
+        except ConfigError:  # a method this config cannot run is not the config's own
+            continue
+        if same:
+            return max(1, round(cfg.outer.H / fraction))
+    return cfg.outer.H
+
+
+def _outer_without_H(cfg: Config) -> dict:
+    outer = to_dict(cfg)["outer"]
+    outer.pop("H")
+    return outer
 
 
 def method_config(
@@ -267,6 +295,7 @@ class Plan:
     workers: int
     steps: int
     H: int
+    """DiLoCo's outer.H (baseline_H); each row has its method's."""
     step: StepTime
     links: Links
     penalties: dict
@@ -278,8 +307,10 @@ class Plan:
     """The next method, where its estimates over the measured seeds overlap the pick's."""
 
 
-def _row(cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool) -> Row:
-    H = method_H(cfg, entry)
+def _row(
+    cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool, baseline: int
+) -> Row:
+    H = method_H(cfg, entry, baseline)
     row = Row(name, entry["outer"]["strategy"], pick, H, seeds=entry["reached"])
     per_seed = _seed_fractions(entry)
     # A method that needed more than DiLoCo's steps: its clock runs on past run.steps, in
@@ -335,7 +366,8 @@ def make_plan(
         )
     pen = penalties or load_penalties()
     names = methods if BASELINE in methods else [BASELINE, *methods]
-    rows = [_row(cfg, m, pen["methods"][m], links, step, m in methods) for m in names]
+    H = baseline_H(cfg, pen["methods"])
+    rows = [_row(cfg, m, pen["methods"][m], links, step, m in methods, H) for m in names]
     base = next(r for r in rows if r.method == BASELINE)
     for r in rows:
         if r.time_s is not None and base.time_s:
@@ -344,7 +376,7 @@ def make_plan(
             r.seeds_ratio = (lo / base.time_s, None if hi is None else hi / base.time_s)
     ranked = sorted((r for r in rows if r.candidate and r.time_s is not None), key=_time)
     meta = {k: v for k, v in pen.items() if k != "methods"}
-    plan = Plan(cfg.run.workers, cfg.run.steps, cfg.outer.H, step, links, meta, rows, None, "")
+    plan = Plan(cfg.run.workers, cfg.run.steps, H, step, links, meta, rows, None, "")
     plan.pick = ranked[0].method if ranked else None
     plan.reason = _reason(ranked)
     if len(ranked) > 1 and _overlap(ranked[0], ranked[1]):
@@ -405,7 +437,7 @@ def format_plan(plan: Plan) -> str:
     the pick with its reason on the last line."""
     p, pen = plan, plan.penalties
     lines = [
-        f"plan: {p.workers} workers, {p.steps} inner steps, outer.H = {p.H}",
+        f"plan: {p.workers} workers, {p.steps} inner steps, DiLoCo's outer.H = {p.H}",
         f"step time: {p.step.seconds:.4g} s, {p.step.label}",
         f"links: {p.links.what}, {p.links.label}"
         + (f"; point-to-point at {p.links.p2p_ratio:.2f}x" if p.links.label == "measured" else ""),
