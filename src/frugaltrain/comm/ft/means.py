@@ -16,11 +16,12 @@ import time
 import numpy as np
 import torch
 
-from frugaltrain.comm.ft import keys
+from frugaltrain.comm.ft import heartbeat, keys
 from frugaltrain.comm.ft.oplog import OpLog
 from frugaltrain.comm.runtime import Means, MeansUnavailable
 
 KEEP = 16  # rounds of its own scalars each worker keeps for `gather_recent`
+POLL_S = 0.25  # how often a wait for scalars reads the heartbeats of the members not in yet
 
 
 class StoreMeans:
@@ -63,15 +64,18 @@ class StoreMeans:
                 world.store.delete_key(key)
             return got
 
+        def missing() -> list[int]:
+            return world.guarded(lambda: [m for m in due() if not world.has(keys.metric(k, m))], [])
+
         def result() -> list[float]:
             if self.table is not None:
                 got = [self.table[k, m] for m in due() if (k, m) in self.table]
                 return np.mean(np.array(got, dtype=np.float64), axis=0).tolist()
-            t0 = time.monotonic()
+            t0, silence = time.monotonic(), Silence(world)
             while not ready() and time.monotonic() - t0 < world.timeout_s:
                 if world.guarded(world.is_broken, False):
                     self.oplog.recover("another worker reported a failure")
-                if world.store_lost:
+                if world.store_lost or silence.of_all(missing):
                     break
                 time.sleep(0.01)
             got = world.guarded(read, None)
@@ -96,3 +100,33 @@ class StoreMeans:
             for r in t
             if not math.isnan(r[0])
         }
+
+
+class Silence:
+    """Whether the members a wait for round scalars still lacks are all silent: their heartbeats
+    have not moved for the heartbeat timeout (dead or cut off). Their scalars will not come, so
+    the wait ends there instead of at run.timeout_s; the next blocking operation finds them
+    and the members re-form. A live straggler's heartbeat moves, and it is waited for."""
+
+    def __init__(self, world) -> None:
+        self.world = world
+        self.beats: dict[int, tuple[int, float]] = {}  # each one's last count and when it moved
+        self.next_check = 0.0
+
+    def of_all(self, missing) -> bool:
+        """`missing()`: the members not in yet. Reads their heartbeats every POLL_S."""
+        world, now = self.world, time.monotonic()
+        if now < self.next_check:
+            return False
+        members = missing()
+        counts = world.guarded(lambda: {m: heartbeat.beat_of(world.store, m) for m in members}, {})
+        after = time.monotonic()
+        self.next_check = after + POLL_S
+        if not members or len(counts) < len(members):
+            return False
+        if after - now > world.hb_timeout_s / 2:  # reads held (the coordinator away, say):
+            self.beats = {}  # nobody's beats could reach the store meanwhile
+        for m, count in counts.items():
+            if self.beats.get(m, (None, 0.0))[0] != count:
+                self.beats[m] = (count, after)
+        return all(after - self.beats[m][1] > world.hb_timeout_s for m in members)
