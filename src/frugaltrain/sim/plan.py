@@ -518,4 +518,4 @@ def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
             "outer.auto.methods to ones with an estimate"
         )
     entry = load_penalties()["methods"][plan.pick]
-    return method_config(cfg, entry["outer"], H=method_H(cfg, entry)), plan
+    return method_config(cfg, entry["outer"], H=method_H(cfg, entry, plan.H)), plan
