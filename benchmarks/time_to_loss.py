@@ -157,11 +157,23 @@ def parse_case(spec: str) -> tuple[str, float, float | None]:
     return name, float(rate), float(slow) if slow else None
 
 
-def curve(run_dir: Path) -> dict:
+def curve(run_dir: Path, clock: str = "training") -> dict:
     """The run's evaluations against its wall clock. Evaluations are local (each worker's own
-    model, run.eval_diagnostics = false): the same compute in every method, counted in."""
+    model, run.eval_diagnostics = false). On the "training" clock their time is taken out (it
+    is reported apart as eval_s_measured): they measure the run and are not part of it, so a
+    larger validation sample does not slow the methods that need less time to the target. On
+    the "with-evals" clock (every run before the clock was a choice) it is counted in."""
     rounds = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "round"]
     evals = [r for r in rounds if "loss/val" in r]
+    eval_before, spent = [], 0.0  # evaluation time before each round's own evaluation
+    for r in rounds:
+        eval_before.append(spent)
+        spent += r.get("time/eval_s", 0.0)
+    if clock == "training":
+        wall_at_evals = [r["time/wall_s"] - eval_before[i]
+                         for i, r in enumerate(rounds) if "loss/val" in r]  # fmt: skip
+    else:
+        wall_at_evals = [r["time/wall_s"] + r.get("time/eval_s", 0.0) for r in evals]
     compute = sum(r["time/compute_s"] for r in rounds)
     blocking = sum(r["time/blocking_s"] for r in rounds)
     last_step = rounds[-1]["step"] if rounds else 0
@@ -173,7 +185,7 @@ def curve(run_dir: Path) -> dict:
                 by_op[op] = by_op.get(op, 0.0) + seconds
     wall = rounds[-1]["time/wall_s"] if rounds else 0.0
     return {
-        "wall_s_measured": [r["time/wall_s"] + r.get("time/eval_s", 0.0) for r in evals],
+        "wall_s_measured": wall_at_evals,
         "val_loss": [r["loss/val"] for r in evals],
         "step": [r["step"] for r in evals],
         "step_s_measured": compute / last_step if last_step else None,
@@ -270,6 +282,8 @@ def main() -> int:
     ap.add_argument("--cpu-share", type=float, default=0.4, help="cores per worker (cgroup)")
     ap.add_argument("--cpu-period-ms", type=float, default=100.0, help="the quota's period")
     ap.add_argument("--budget", type=float, default=2.0, help="x DiLoCo's wall clock")
+    clocks = ("training", "with-evals")  # the curves' clock: evaluations taken out, or counted in
+    ap.add_argument("--clock", choices=clocks, default="training")
     ap.add_argument("--steps-x", type=float, default=1.0, help="other methods' steps x DiLoCo's")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator's curves")
     ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for every run")
@@ -298,7 +312,8 @@ def main() -> int:
                "steps_x": args.steps_x,
                "data": args.data or "stdlib bytes", "cpu_share": args.cpu_share,
                "cpu_period_ms": args.cpu_period_ms,
-               "budget_x_diloco": args.budget, "shared": common_overrides(args, 0, "RUNS"),
+               "budget_x_diloco": args.budget, "clock": args.clock,
+               "shared": common_overrides(args, 0, "RUNS"),
                "tuned_on": "stdlib (the examples' outer steps)", "cases": {},
                "outer_tables": {m: outer_table(m, args.set) for m in methods}}  # fmt: skip
     with tempfile.TemporaryDirectory() as runs:
@@ -324,7 +339,7 @@ def main() -> int:
                     cfg_path, sets = overrides(m, common_overrides(args, seed, runs, longer))
                     sets.append(f"run.name='{name}-{m}-s{seed}'")
                     timeout = 3600 if diloco_wall is None else args.budget * diloco_wall + 30
-                    c = curve(run_one(cfg_path, sets, labs[name], timeout))
+                    c = curve(run_one(cfg_path, sets, labs[name], timeout), args.clock)
                     if m == BASELINE:
                         diloco_wall = c["wall_s_measured"][-1]
                     row = {"method": m, "seed": seed, **c}

@@ -524,7 +524,8 @@ def test_a_runs_wall_clock_splits_into_compute_blocking_by_operation_and_the_res
     assert c["blocking_s_by_op_measured"] == {"mix1": 0.2, "mix2": pytest.approx(0.7)}
     assert c["steps_run"] == 10
     assert c["other_s_measured"] == pytest.approx(4.0 - 2.2 - 0.9 - 0.25)  # the last eval: after
-    assert c["wall_s_measured"] == [2.25, 4.5]
+    assert c["wall_s_measured"] == [2.0, 4.0 - 0.25]  # the training clock: evaluations out
+    assert bench.curve(tmp_path, "with-evals")["wall_s_measured"] == [2.25, 4.5]
     record = {"methods": ["x"], "cases": {"r": {"runs": [{"method": "x", **c}]}}}
     row = bench.time_split_table(record).splitlines()[-1]
     assert row == "| r | x | 0.220 | mix1 0.020, mix2 0.070 | 0.065 | 0.71 |"
