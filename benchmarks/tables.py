@@ -1544,6 +1544,10 @@ TABLES = {
         "time_to_loss_reduce_scatter_slow.json", time_split_table
     ),
     "time-to-loss-rs-slow-plan": _plan("time_to_loss_reduce_scatter_slow.json"),
+    "time-to-loss-doc-links": _time_to_loss("time_to_loss_doc_snapshot.json", links_table),
+    "time-to-loss-doc": _time_to_loss("time_to_loss_doc_snapshot.json", time_to_loss_table),
+    "time-to-loss-doc-split": _time_to_loss("time_to_loss_doc_snapshot.json", time_split_table),
+    "time-to-loss-doc-plan": _plan("time_to_loss_doc_snapshot.json"),
     "time-to-loss-period-split": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),

@@ -22,7 +22,9 @@ clock since the workers started training, linear between evaluations); beside it
 DiLoCo's at equal wall clock (where the sooner of the two ended). An evaluation is each
 worker's own model on the same validation batches with no communication (run.eval_diagnostics =
 false): it costs every method the same compute and nothing waits on a transfer for it; the loss
-is the workers' mean. A method still above the target when its wall clock passes --budget x
+is the workers' mean. The curves are on the training clock: each evaluation's time is taken out
+of the wall clock after it (--clock with-evals counts it in, as runs before this option did).
+A method still above the target when its wall clock passes --budget x
 DiLoCo's is stopped there (DDP on a slow link) and reported as not reached. With --steps-x F
 every other method may run F x DiLoCo's steps (the lr at its floor past DiLoCo's last step, so
 its first steps are those of a run as long as DiLoCo's): a method that ends DiLoCo's steps a
