@@ -1284,6 +1284,10 @@ EVERY_H10_PROBES = (  # other settings at lr 1.0: Streaming's overlap, FGD's Mix
     ("GlobalM1LocalM2-4bit-lr1.0", "GlobalM1LocalM2-4bit-late"),
 )
 H5_FILES = ("fgd_h5_probe.json", "fgd_h5_probe_others.json")  # rounds twice as often
+RS_H5_GRID = (  # the flagship's outer step by the rule at its own H = 5, DiLoCo at H = 10 beside
+    ("diloco",),
+    tuple(f"diloco-e3m0-H5-rs{lr}" for lr in ("-lr0.8", "", "-lr1.26")),
+)
 H4_OVERLAP_PAIRS = (  # Streaming at H = 4 as one fragment, overlapping 1 or 2 of its 4 steps
     ("streaming-H4", "diloco"),
     ("streaming-H4-f1", "diloco"),
@@ -1648,6 +1652,9 @@ TABLES = {
     ),
     "fgd-reduce-scatter-diloco-4x": Table(
         "docs/results/fgd.md", RS_DILOCO_4X_FILES, fgd_pair_ratios(RS_PAIRS[1:2], "4x")
+    ),
+    "fgd-h5-rs-choice": Table(
+        "docs/results/fgd.md", ("fgd_h5_rs_grid.json",), fgd_outer_choice("stdlib", RS_H5_GRID)
     ),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
     "default-job-choice": Table(
