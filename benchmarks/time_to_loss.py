@@ -19,21 +19,20 @@ the standard-library corpus with the same grid as every method) with the shared 
 case and seed, every method), DiLoCo first: the target of a case and seed is DiLoCo's final
 validation loss (mean over workers), and a method's time to it is read off its own curve (wall
 clock since the workers started training, linear between evaluations); beside it, its loss over
-DiLoCo's at equal wall clock (where the sooner of the two ended). An evaluation is each
-worker's own model on the same validation batches with no communication (run.eval_diagnostics =
-false): it costs every method the same compute and nothing waits on a transfer for it; the loss
-is the workers' mean. The curves are on the training clock: each evaluation's time is taken out
-of the wall clock after it (--clock with-evals counts it in, as runs before this option did).
-A method still above the target when its wall clock passes --budget x
-DiLoCo's is stopped there (DDP on a slow link) and reported as not reached. With --steps-x F
-every other method may run F x DiLoCo's steps (the lr at its floor past DiLoCo's last step, so
-its first steps are those of a run as long as DiLoCo's): a method that ends DiLoCo's steps a
-fraction of a percent above its loss gets a time instead of "not reached". Beside each measured
-curve of seed 0, the simulator's prediction: the same config on the simulated clock fed the
-probed links (the all-reduce's effective bandwidth, the pair exchange's ratio to it) and the
-run's measured step time, its time to its own DiLoCo's final loss read off the same way. Needs
-root (netlab, cgroups). Writes the JSON (provenance, every run's curve) and a PNG of loss
-against wall clock, and prints the table.
+DiLoCo's at equal wall clock (where the sooner of the two ended). An evaluation is each worker's
+own model on the same validation batches with no communication (run.eval_diagnostics = false):
+it costs every method the same compute and nothing waits on a transfer for it; the loss is the
+workers' mean. The curves are on the training clock: each evaluation's time is taken out of the
+wall clock after it (--clock with-evals counts it in, as runs before this option did). A method
+still above the target when its wall clock passes --budget x DiLoCo's is stopped there (DDP on a
+slow link) and reported as not reached. With --steps-x F every other method may run F x DiLoCo's
+steps (the lr at its floor past DiLoCo's last step, so its first steps are those of a run as
+long as DiLoCo's): a method that ends DiLoCo's steps a fraction of a percent above its loss gets
+a time instead of "not reached". Beside each measured curve of seed 0, the simulator's
+prediction: the same config on the simulated clock fed the probed links (the all-reduce's
+effective bandwidth, the pair exchange's ratio to it) and the run's measured step time, its time
+to its own DiLoCo's final loss read off the same way. Needs root (netlab, cgroups). Writes the
+JSON (provenance, every run's curve) and a PNG of loss against wall clock, and prints the table.
 """
 
 from __future__ import annotations
