@@ -9,7 +9,9 @@ steps of either sign.
 """
 
 import multiprocessing
+import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,14 +121,24 @@ def test_staleness_changes_the_result_but_still_learns() -> None:
     assert not all(torch.equal(got.enc_state[k], ref.enc_state[k]) for k in ref.enc_state)
 
 
+@pytest.fixture
+def kept_logs(tmp_path, monkeypatch) -> Path:
+    """A failed run keeps its workers' logs in a temporary directory for its error to name:
+    here under the test's own tmp_path, so failure tests leave nothing behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend,role", [("shm", "producer0"), ("dist", "consumer0")])
-def test_worker_failure_surfaces(backend: str, role: str) -> None:
+def test_worker_failure_surfaces(backend: str, role: str, kept_logs: Path) -> None:
     with pytest.raises(FlowWorkerError, match="injected fault"):
         run(
             cfg("run.mode='flow'", f"run.backend='{backend}'", "run.train_encoder=true"),
             fault=(role, 1),
         )
+    (logs,) = kept_logs.glob("frugaltrain-flow-*")  # kept, one log per worker
+    assert sorted(f.name for f in logs.iterdir()) == [f"worker{r}.log" for r in range(2)]
 
 
 # The transformers modules: a ViT tower and a Llama backbone on generated scenes, small enough to
@@ -181,7 +193,9 @@ _Unimportable.__module__ = "module_only_in_the_launcher"
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_that_cannot_rebuild_the_run_reports_its_traceback(monkeypatch) -> None:
+def test_a_worker_that_cannot_rebuild_the_run_reports_its_traceback(
+    monkeypatch, kept_logs: Path
+) -> None:
     import sys
     import types
 
@@ -193,7 +207,7 @@ def test_a_worker_that_cannot_rebuild_the_run_reports_its_traceback(monkeypatch)
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_that_crashes_leaves_its_stack_in_the_error() -> None:
+def test_a_worker_that_crashes_leaves_its_stack_in_the_error(kept_logs: Path) -> None:
     """A crash in native code raises no Python exception: the launcher still reports the
     signal and the Python stack the worker wrote to its log."""
     with pytest.raises(FlowWorkerError, match="(?s)killed by SIGABRT.*Fatal Python error.*_inject"):
