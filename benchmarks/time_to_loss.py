@@ -166,15 +166,12 @@ def curve(run_dir: Path, clock: str = "training") -> dict:
     the "with-evals" clock (every run before the clock was a choice) it is counted in."""
     rounds = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "round"]
     evals = [r for r in rounds if "loss/val" in r]
-    eval_before, spent = [], 0.0  # evaluation time before each round's own evaluation
-    for r in rounds:
-        eval_before.append(spent)
+    wall_at_evals, spent = [], 0.0  # spent: the evaluations' time before this round's own
+    for r in rounds:  # a round's wall is taken before its own evaluation
+        if "loss/val" in r:
+            own = r.get("time/eval_s", 0.0)
+            wall_at_evals.append(r["time/wall_s"] + (own if clock == "with-evals" else -spent))
         spent += r.get("time/eval_s", 0.0)
-    if clock == "training":
-        wall_at_evals = [r["time/wall_s"] - eval_before[i]
-                         for i, r in enumerate(rounds) if "loss/val" in r]  # fmt: skip
-    else:
-        wall_at_evals = [r["time/wall_s"] + r.get("time/eval_s", 0.0) for r in evals]
     compute = sum(r["time/compute_s"] for r in rounds)
     blocking = sum(r["time/blocking_s"] for r in rounds)
     last_step = rounds[-1]["step"] if rounds else 0

@@ -27,6 +27,22 @@ def beat_of(store: dist.Store, member: int) -> int:
     return int(store.get(key)) if store.check([key]) else 0
 
 
+def stopped(
+    beats: dict[int, tuple[int, float]], counts: dict[int, int], now: float, hb_timeout_s: float
+) -> list[int]:
+    """The members of `counts` (heartbeat counts just read, at `now`) whose count has not moved
+    for hb_timeout_s. `beats` holds each one's last count and when it moved, and is brought up
+    to date; a member first seen now has just moved."""
+    silent = []
+    for member, count in counts.items():
+        last = beats.get(member)
+        if last is None or last[0] != count:
+            beats[member] = (count, now)
+        elif now - last[1] > hb_timeout_s:
+            silent.append(member)
+    return silent
+
+
 class Heartbeat:
     """This worker's heartbeat thread, on a store client of its own (the worker's own client
     may be blocked in a long wait). It starts on becoming a member: a restarted worker waiting

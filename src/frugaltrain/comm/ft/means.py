@@ -126,7 +126,5 @@ class Silence:
             return False
         if after - now > world.hb_timeout_s / 2:  # reads held (the coordinator away, say):
             self.beats = {}  # nobody's beats could reach the store meanwhile
-        for m, count in counts.items():
-            if self.beats.get(m, (None, 0.0))[0] != count:
-                self.beats[m] = (count, after)
-        return all(after - self.beats[m][1] > world.hb_timeout_s for m in members)
+        silent = heartbeat.stopped(self.beats, counts, after, world.hb_timeout_s)
+        return len(silent) == len(members)

@@ -168,9 +168,9 @@ class OpLog:
                     away += (after - now) if held else 0.0
                     beats = {m: (c, after) for m, c in counts.items()}
                     continue
-                reason = self._silent_member(beats, counts, after)  # a straggler is waited for
-                if reason is not None:
-                    return reason
+                silent = heartbeat.stopped(beats, counts, after, world.hb_timeout_s)
+                if silent:  # a straggler, whose heartbeat moves, is waited for
+                    return f"worker {silent[0]}: no heartbeat for {world.hb_timeout_s:g} s"
             time.sleep(0.001)
 
     def finish_pending(self) -> None:
@@ -209,21 +209,6 @@ class OpLog:
     def _posted(self, member: int) -> int:
         key = keys.posted(member)
         return int(self.world.store.get(key)) if self.world.has(key) else -1
-
-    def _silent_member(
-        self, beats: dict[int, tuple[int, float]], counts: dict[int, int], now: float
-    ) -> str | None:
-        """The first member whose heartbeat has not moved for the heartbeat timeout (hung,
-        stopped or cut off); `beats` holds each one's last count and when it moved, `counts`
-        the counts just read."""
-        hb_timeout_s = self.world.hb_timeout_s
-        for member, (last, since) in beats.items():
-            beat = counts[member]
-            if beat != last:
-                beats[member] = (beat, now)
-            elif now - since > hb_timeout_s:
-                return f"worker {member}: no heartbeat for {hb_timeout_s:g} s"
-        return None
 
     # ---- recovery
     def recover(self, reason: str) -> None:
