@@ -158,7 +158,9 @@ def _gloo_worker(rank, port, jobs, out):
         for name, cfg, run_dir, resume in jobs:
             comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
             if name.startswith("mean-recursion"):
-                results[name] = _mean_recursion_rounds(cfg, comm, late=name.endswith("late"))
+                late = name != "mean-recursion"
+                own = EAGER_OWN if name.endswith("eager") else 1.0
+                results[name] = _mean_recursion_rounds(cfg, comm, late, own)
                 continue
             if name == "mix1-delta-rounds":
                 results[name] = _mix1_delta_rounds(cfg, comm)
@@ -171,12 +173,25 @@ def _gloo_worker(rank, port, jobs, out):
         dist.destroy_process_group()
 
 
-def _mean_recursion_rounds(cfg, comm, late: bool = False) -> list[dict]:
+EAGER_OWN = 0.25  # the weight of a worker's own fresh pseudo-gradient in an eager late Mix2
+
+
+def _mean_recursion_rounds(cfg, comm, late: bool = False, own: float = 1.0) -> list[dict]:
     """Drive fgd by hand: inner phases replaced by per-worker random moves; record what the mean
-    recursion needs. `late`: Mix2 overlaps the next round (no last step: every round is late)."""
+    recursion needs. `late`: Mix2 overlaps the next round (no last step: every round is late),
+    its stand-in weighted `own`."""
     model = build_model(cfg)
     fgd = FactoredGossipDiLoCo(
-        model, comm, H=1, lr=0.7, momentum=0.9, mix1="ring", mix2="pairs", seed=5, mix2_overlap=late
+        model,
+        comm,
+        H=1,
+        lr=0.7,
+        momentum=0.9,
+        mix1="ring",
+        mix2="pairs",
+        seed=5,
+        mix2_overlap=late,
+        mix2_overlap_own=own,
     )
     gen = torch.Generator().manual_seed(comm.rank)
     rounds = []
@@ -283,6 +298,7 @@ def _cases(factory, root: Path) -> list[tuple]:
     jobs += [
         ("mean-recursion", factory(root, *base), None, None),
         ("mean-recursion-late", factory(root, *base), None, None),
+        ("mean-recursion-eager", factory(root, *base), None, None),
         ("mix1-delta-rounds", factory(root, *base), None, None),
     ]
     return jobs
@@ -357,19 +373,26 @@ def test_fgd_delayed_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(glo
     assert not all(torch.equal(u, v) for u, v in zip(delayed, blocking, strict=True))
 
 
-@pytest.mark.parametrize("case", ["mean-recursion", "mean-recursion-late"])
+@pytest.mark.parametrize("case", ["mean-recursion", "mean-recursion-late", "mean-recursion-eager"])
 def test_fgd_mean_follows_diloco_recursion(gloo_runs, case):
     # A late Mix2's correction sums to zero over the workers: the mean is DiLoCo's either way.
+    # With its stand-in weighted w (eager), the mean steps with w of this round's mean
+    # pseudo-gradient and 1 - w of the last round's.
     mu, gamma = 0.9, 0.7
+    w = EAGER_OWN if case.endswith("eager") else 1.0
     for t in range(4):
         per = [gloo_runs[r][case][t] for r in range(WORLD)]
 
         def mean(key, k, per=per):
             return torch.stack([p[key][k].double() for p in per]).mean(0)
 
+        def last_delta(k, t=t):
+            return mean("delta", k, [gloo_runs[r][case][t - 1] for r in range(WORLD)])
+
         for k in range(len(per[0]["x"])):
-            m_next = mu * mean("m", k) + mean("delta", k)
-            x_next = mean("x", k) - gamma * (mean("delta", k) + mu * m_next)
+            g = w * mean("delta", k) + ((1 - w) * last_delta(k) if t else 0)
+            m_next = mu * mean("m", k) + g
+            x_next = mean("x", k) - gamma * (g + mu * m_next)
             torch.testing.assert_close(mean("m_next", k), m_next, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(mean("x_next", k), x_next, rtol=1e-5, atol=1e-6)
         if t > 0:

@@ -446,6 +446,13 @@ class FgdSection(Section):
     round late as a correction (each worker steps with its own fresh pseudo-gradient plus
     (W2 Delta)_i - Delta_i of the round before): no blocking Mix2, and the mean of the workers
     still follows DiLoCo exactly. The run's last round mixes at once."""
+    mix2_overlap_own: float = 1.0
+    """w, with mix2_overlap: the weight of the worker's own fresh pseudo-gradient, which stands in
+    for the mix still on the wire: g_i(t) = w Delta_i(t) + (W2 Delta(t-1))_i - w Delta_i(t-1).
+    1: the worker's whole own round at once (the mean follows DiLoCo's recursion exactly);
+    1/M with a complete Mix2: DiLoCo's eager updates (the others' share one round late; the
+    mean's step is w of the fresh mean plus 1 - w of the last). Every round counts once in
+    the end either way."""
     mix2_delay: int = 0
     """tau: Mix2 is sent tau inner steps before the round's end, on the pseudo-gradient of the
     steps so far, and runs while the worker takes the last tau steps; at the end each worker
@@ -479,6 +486,13 @@ class FgdSection(Section):
                 not self.mix2_momentum,
                 "mix2_overlap",
                 "mixes pseudo-gradients only; set mix2_momentum = false or drop mix2_overlap",
+            )
+        self.require(0 < self.mix2_overlap_own <= 1, "mix2_overlap_own", "must be in (0, 1]")
+        if self.mix2_overlap_own != 1:
+            self.require(
+                self.mix2_overlap,
+                "mix2_overlap_own",
+                "weighs the stand-in of an overlapped Mix2; set mix2_overlap = true or drop it",
             )
         self.at_least("mix2_delay", 0)
         if self.mix2_delay:

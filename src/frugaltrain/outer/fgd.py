@@ -23,7 +23,14 @@ round's Mix2 brought:
 
 The correction sums to zero over the workers (W2 doubly stochastic), so the mean still follows
 DiLoCo exactly; only the workers' spread sees Mix2 one round late. The run's last round mixes
-at once, so nothing is in flight when it ends.
+at once, so nothing is in flight when it ends. mix2_overlap_own w weighs the worker's own fresh
+pseudo-gradient as a stand-in for the mix on the wire:
+
+    g_i(t) = w Delta_i(t) + [(W2 Delta(t-1))_i - w Delta_i(t-1)]
+
+At w = 1/M with a complete Mix2 this is DiLoCo's eager update (Kale et al., arXiv 2502.12996).
+A smaller w keeps the workers closer together (each one's own noise enters scaled by w) at the
+price of a staler mean, which steps with w of this round's mean and 1 - w of the last.
 
 mix2_delay tau sends Mix2 tau inner steps before the round's end instead of at it, as Streaming
 DiLoCo sends a fragment tau steps before it lands: Delta_i is taken there, the worker takes its
@@ -68,6 +75,8 @@ class FactoredGossipDiLoCo(OuterRound):
         mix1_weight: alpha, the share of Mix1 a worker takes.
         mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
         mix2_overlap: Mix2 overlaps the next round and comes back as a correction (above).
+        mix2_overlap_own: w, the weight of the worker's own fresh pseudo-gradient standing in
+            for an overlapped Mix2 (above).
         mix2_delay: Mix2 is sent this many inner steps before the round's end (above).
         last_step: the run's last inner step (0: not known); with mix2_overlap the round that
             ends there mixes at once.
@@ -89,6 +98,7 @@ class FactoredGossipDiLoCo(OuterRound):
         mix1_weight: float = 1.0,
         mix2_momentum: bool = False,
         mix2_overlap: bool = False,
+        mix2_overlap_own: float = 1.0,
         mix2_delay: int = 0,
         last_step: int = 0,
         param_codec: str = "",
@@ -103,6 +113,7 @@ class FactoredGossipDiLoCo(OuterRound):
         self.mix1_weight = mix1_weight
         self.mix2_momentum = mix2_momentum
         self.mix2_overlap = mix2_overlap
+        self.own = mix2_overlap_own
         self.last_step = last_step
         self.mix2_delay = mix2_delay if self.in_mix2 else 0
         # A delayed Mix2 in flight: (handle, the mixed buffers, theta of its tensors at the send).
@@ -267,17 +278,20 @@ class FactoredGossipDiLoCo(OuterRound):
                 else [c + d for c, d in zip(correction, late, strict=True)]
             )
             self._correction = None
+        for k in idx:
+            deltas[k].mul_(self.own)
         for k, c in zip(idx, correction or [], strict=False):
             deltas[k].add_(c)
 
     def _settle_mix2(self) -> list[torch.Tensor] | None:
-        """Wait for the Mix2 in flight and turn it into its correction, (W2 Delta)_i - Delta_i
+        """Wait for the Mix2 in flight and turn it into its correction, (W2 Delta)_i - w Delta_i
         (None: no Mix2 has been posted since the last one was applied)."""
         if self._late is not None:
             handle, sent, mixed = self._late
             handle.wait()
             self._late = None
-            self._correction = [m.sub_(s) for m, s in zip(mixed, sent, strict=True)]
+            w = self.own
+            self._correction = [m.sub_(s, alpha=w) for m, s in zip(mixed, sent, strict=True)]
         return self._correction
 
     def state_dict(self) -> dict:
