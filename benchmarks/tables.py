@@ -1321,6 +1321,20 @@ GLOBALM2_PAIRS = (  # DiLoCo's round sent a step early, keeping or discarding th
     ("GlobalM2-4bit-H5-d1", "diloco-e3m0-H5"),
     ("streaming-H5-f1", "diloco-e3m0-H5"),
 )
+OVERLAP_FILES = (
+    "fgd_h5_rs_grid.json",
+    "fgd_globalm2_d2_probe.json",
+    "fgd_globalm2_late_probe.json",
+    "fgd_globalm2_eager_probe.json",
+)
+OVERLAP_PAIRS = (  # DiLoCo's round in 4 bits at H = 5: blocking, sent 2 steps early, a round late
+    ("diloco-e3m0-H5-rs", "diloco"),
+    ("GlobalM2-4bit-H5-d2", "diloco"),
+    ("GlobalM2-4bit-H5-late", "diloco"),
+    ("GlobalM2-4bit-H4-late", "diloco"),
+    ("GlobalM2-4bit-H5-late-w0.5", "diloco"),
+    ("GlobalM2-4bit-H5-eager", "diloco"),
+)
 RS_FILES = ("fgd_reduce_scatter_stdlib.json", "fgd_reduce_scatter.json")
 RS_PAIRS = (  # 4-bit averages as a reduce-scatter then an all-gather, against the gather
     ("GlobalM2-4bit-H5-d1-rs", "diloco"),
@@ -1657,6 +1671,9 @@ TABLES = {
         "docs/results/fgd.md", ("fgd_h5_rs_grid.json",), fgd_outer_choice("stdlib", RS_H5_GRID)
     ),
     "fgd-delay-probe": Table("docs/results/fgd.md", DELAY_FILES, fgd_pair_ratios(DELAY_PAIRS)),
+    "fgd-globalm2-overlap": Table(
+        "docs/results/fgd.md", OVERLAP_FILES, fgd_pair_ratios(OVERLAP_PAIRS)
+    ),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
     ),
