@@ -18,7 +18,8 @@ from frugaltrain.train.launch import new_run_dir, run
 def _torchrun(*args: str, cwd: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "frugaltrain", "train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun keeps its log directory there; the test's own, not the machine's /tmp.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd)}
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 

@@ -45,7 +45,8 @@ def _node_agents(args: list[str], cwd: Path, tag: str, wrapper: bool) -> list[su
     Plain torchrun (node 0 told to host the rendezvous store: on real machines torchrun sees
     that from the endpoint's host name), or `frugaltrain train --nodes`, which runs torchrun."""
     endpoint = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun keeps its log directory there; the test's own, not the machine's /tmp.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(cwd)}
     if not wrapper:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     agents = []

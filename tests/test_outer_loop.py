@@ -281,7 +281,8 @@ def test_state_of_another_strategy_is_refused():
 def test_example_trains_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(EXAMPLE), "--strategy", "fgd", "--steps", "120", "-H", "20"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun keeps its log directory there; the test's own, not the machine's /tmp.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rounds = re.findall(r"round +\d+  loss ([\d.]+)  sent ([\d.]+) MB", done.stdout)
