@@ -1566,6 +1566,15 @@ TABLES = {
     "time-to-loss-doc": _time_to_loss("time_to_loss_doc_snapshot.json", time_to_loss_table),
     "time-to-loss-doc-split": _time_to_loss("time_to_loss_doc_snapshot.json", time_split_table),
     "time-to-loss-doc-plan": _plan("time_to_loss_doc_snapshot.json"),
+    "time-to-loss-doc-seeds-links": _time_to_loss(
+        "time_to_loss_doc_snapshot_seeds345.json", links_table
+    ),
+    "time-to-loss-doc-seeds": _time_to_loss(
+        "time_to_loss_doc_snapshot_seeds345.json", time_to_loss_table
+    ),
+    "time-to-loss-doc-seeds-split": _time_to_loss(
+        "time_to_loss_doc_snapshot_seeds345.json", time_split_table
+    ),
     "time-to-loss-period-split": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),
