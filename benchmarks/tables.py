@@ -1575,6 +1575,12 @@ TABLES = {
     "time-to-loss-doc-seeds-split": _time_to_loss(
         "time_to_loss_doc_snapshot_seeds345.json", time_split_table
     ),
+    "time-to-loss-doc-r2-seeds": _time_to_loss(
+        "time_to_loss_doc_snapshot_r2_seeds345.json", time_to_loss_table
+    ),
+    "time-to-loss-doc-r2-seeds-split": _time_to_loss(
+        "time_to_loss_doc_snapshot_r2_seeds345.json", time_split_table
+    ),
     "time-to-loss-period-split": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),
