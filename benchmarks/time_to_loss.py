@@ -123,6 +123,11 @@ METHODS = {  # name -> (example config, extra overrides)
         ],
     ),
     "streaming-H4": ("streaming", ["outer.H=4"]),  # its fragments must divide H
+    # The flagship's round in 2 bits with error feedback on both codings: 0.55x e3m0's bytes.
+    "diloco-2bit-H5-rs": (
+        "diloco",
+        ["outer.codec='2bit'", "outer.H=5", "outer.coded_average='reduce_scatter'"],
+    ),
 }
 
 

@@ -14,6 +14,7 @@ from gloo_pool import free_port
 
 from frugaltrain.comm import compress, topology, torchdist
 from frugaltrain.comm.base import weighted_sum
+from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.torchdist import TorchDistComm
 
 
@@ -76,10 +77,12 @@ def test_codec_roundtrip_and_bytes(codec):
     assert sum(p.numel() * p.element_size() for p in parts) == compress.wire_bytes(1000, codec)
     y = compress.decode(parts, codec, 1000)
     assert y.dtype == torch.float32 and y.shape == x.shape
-    rel = {"fp32": 0, "bf16": 2**-8, "int8": 1 / 254, "e3m0": 1 / 3}[codec]
+    rel = {"fp32": 0, "bf16": 2**-8, "int8": 1 / 254, "e3m0": 1 / 3, "2bit": 1, "1bit": 1}[codec]
     blocks = torch.nn.functional.pad(x, (0, 24)).view(-1, compress.BLOCK).abs().amax(1)
     bound = rel * (
-        blocks.repeat_interleave(compress.BLOCK)[:1000] if codec in ("int8", "e3m0") else x.abs()
+        blocks.repeat_interleave(compress.BLOCK)[:1000]
+        if codec not in ("fp32", "bf16")
+        else x.abs()
     )
     assert ((y - x).abs() <= bound + 1e-12).all()
 
@@ -101,6 +104,27 @@ def test_e3m0_is_its_formula_to_the_bit(n):
     got = compress.roundtrip(x, "e3m0")
     want = compress.e3m0_by_formula(x)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("codec", compress.FEEDBACK_CODECS)
+def test_low_bit_codecs_keep_each_signs_and_each_blocks_magnitude(codec):
+    """2bit and 1bit send a sign per value and magnitudes that are means over the block (1bit:
+    one, the block's mean; 2bit: two, split at it), so a block's sum of magnitudes survives; a
+    last block short of BLOCK values averages only its own."""
+    n = 1001
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 1, n)
+    y = compress.roundtrip(x, codec)
+    assert torch.equal(y.signbit(), x.signbit())
+    for bx, by in zip(x.abs().split(compress.BLOCK), y.abs().split(compress.BLOCK), strict=True):
+        groups = [bx >= bx.mean(), bx < bx.mean()] if codec == "2bit" else [bx >= 0]
+        for g in groups:
+            torch.testing.assert_close(by[g], bx[g].mean().expand(int(g.sum())))
+
+
+def test_two_bits_are_about_half_of_e3m0s_bytes_and_one_bit_a_quarter():
+    n = 1_000_000
+    assert compress.wire_bytes(n, "2bit") / compress.wire_bytes(n, "e3m0") < 0.55
+    assert compress.wire_bytes(n, "1bit") / compress.wire_bytes(n, "e3m0") < 0.28
 
 
 def test_weighted_sum_of_identical_inputs_is_exact():
@@ -128,9 +152,34 @@ def _worker(rank, world, port, cases, out):
             results.append(
                 ([t.clone() for t in x], comm.stats.bytes_sent, comm.stats.bytes_received)
             )
-        out[rank] = results
+        out[rank] = (results, _feedback_rounds(rank))
     finally:
         dist.destroy_process_group()
+
+
+ROUNDS = 3
+
+
+def _feedback_rounds(rank: int) -> tuple:
+    """ROUNDS reduce-scatter averages in 2bit with error feedback: this worker's payloads, the
+    means it got, and its two residuals (its own coding's, its chunk mean's)."""
+    comm, fb = TorchDistComm(), ErrorFeedback(1.0)
+    comm.coded_average = "reduce_scatter"
+    payloads, got = [], []
+    for t in range(ROUNDS):
+        x = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(10 * t + rank))]
+        payloads.append(x[0].clone())
+        comm.all_reduce_mean_(x, codec="2bit", feedback=fb)
+        got.append(x[0].clone())
+    return payloads, got, fb.residual, fb.of_mean().residual
+
+
+@pytest.fixture(scope="module")
+def gloo_results() -> dict:
+    """Every worker's (CASES results, feedback rounds) from one spawn of 4 gloo processes."""
+    out = mp.Manager().dict()
+    mp.start_processes(_worker, args=(4, free_port(), CASES, out), nprocs=4, start_method="spawn")
+    return dict(out)
 
 
 def _inputs(rank: int) -> list[torch.Tensor]:
@@ -169,18 +218,14 @@ def _two_phase_mean(flats: list[torch.Tensor], codec: str) -> torch.Tensor:
     return torch.cat(means)[:NUMEL]
 
 
-def test_gossip_on_gloo_matches_w_times_x():
+def test_gossip_on_gloo_matches_w_times_x(gloo_results):
     world = 4
-    out = mp.Manager().dict()
-    mp.start_processes(
-        _worker, args=(world, free_port(), CASES, out), nprocs=world, start_method="spawn"
-    )
     for c, (name, codec, _, deterministic, average) in enumerate(CASES):
         w = topology.mixing_matrix(name, world, round_idx=1, seed=7)
         flats = [torch.cat([t.flatten() for t in _inputs(r)]) for r in range(world)]
         two_phase = average == "reduce_scatter" and name == "complete"
         for r in range(world):
-            got, sent, received = out[r][c]
+            got, sent, received = gloo_results[r][0][c]
             got = torch.cat([g.flatten() for g in got])
             if two_phase:  # the same means on every worker, to the bit
                 assert torch.equal(got, _two_phase_mean(flats, codec))
@@ -197,6 +242,21 @@ def test_gossip_on_gloo_matches_w_times_x():
             else:
                 send_to, recv_from = topology.peers(w, r)
                 assert (sent, received) == (payload * len(send_to), payload * len(recv_from))
+
+
+def test_reduce_scatter_feedback_carries_both_codings(gloo_results):
+    """With 2bit's error feedback on both codings of a reduce-scatter average, every worker
+    holds the same means, and over the rounds those means plus the chunk owners' carried rest
+    are the exact mean of what the workers sent: nothing is lost, only delayed."""
+    world = 4
+    out = {r: gloo_results[r][1] for r in range(world)}
+    got = [torch.stack(out[r][1]) for r in range(world)]
+    assert all(torch.equal(g, got[0]) for g in got)
+    sent = [sum(out[r][0]) - out[r][2] for r in range(world)]  # all payloads less the carry
+    size = compress.chunk_numel(NUMEL, world)
+    carried = torch.cat([out[r][3] for r in range(world)])[:NUMEL]  # owner r holds chunk r
+    assert all(out[r][3].numel() == size for r in range(world)) and carried.norm() > 0
+    torch.testing.assert_close(got[0].sum(0) + carried, sum(sent) / world, rtol=0, atol=1e-5)
 
 
 def test_exchange_posts_every_receive_before_any_send(monkeypatch):

@@ -239,8 +239,15 @@ def test_close_inside_a_round_warns_unless_an_error_ends_it():
             {"strategy": "ddp", "codec": "int8"},
             "outer.codec = 'int8': no effect with outer.strategy = 'ddp'",
         ),
-        ({"codec": "topk:0"}, "outer.codec = 'topk:0': choose one of fp32, bf16, int8, e3m0, or"),
+        (
+            {"codec": "topk:0"},
+            "outer.codec = 'topk:0': choose one of fp32, bf16, int8, e3m0, 2bit, 1bit, or",
+        ),
         ({"param_codec": "topk:0.1"}, "outer.param_codec = 'topk:0.1': choose one of fp32"),
+        (  # parameters have no error feedback to carry what 2 bits drop
+            {"param_codec": "2bit"},
+            "outer.param_codec = '2bit': choose one of fp32, bf16, int8, e3m0",
+        ),
         ({"strategy": "fgd", "mixing": "ring"}, "unknown key outer.mixing; valid keys here"),
         ({"H": -1}, "outer.H = -1: must be at least 1"),
         (

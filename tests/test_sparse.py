@@ -74,14 +74,15 @@ def test_a_hundredth_in_two_bits_is_over_a_hundred_times_smaller():
     assert 4 * n / compress.wire_bytes(n, "topk:0.01+2bit") > 100
 
 
-def test_error_feedback_conserves_the_sum_of_pseudo_gradients():
+@pytest.mark.parametrize("codec", ["topk:0.01+2bit", "2bit", "1bit"])
+def test_error_feedback_conserves_the_sum_of_pseudo_gradients(codec):
     """With decay 1, everything sent plus the residual equals everything there was to send."""
     gen = torch.Generator().manual_seed(1)
     fb, sent_total, pg_total = ErrorFeedback(1.0), torch.zeros(9000), torch.zeros(9000)
     for _ in range(20):
         delta = torch.randn(9000, generator=gen)
-        sent, parts = encode_own([delta.view(90, 100)], "topk:0.01+2bit", fb)
-        assert torch.equal(sent, compress.decode(parts, "topk:0.01+2bit", 9000))
+        sent, parts = encode_own([delta.view(90, 100)], codec, fb)
+        assert torch.equal(sent, compress.decode(parts, codec, 9000))
         sent_total += sent
         pg_total += delta
     torch.testing.assert_close(sent_total + fb.residual, pg_total, rtol=0, atol=1e-4)
@@ -132,11 +133,30 @@ def test_simulated_bytes_are_the_encoded_bytes(make_config, tmp_path):
     assert 4 * numel * 2 / per_round > 20  # far below the same gather in fp32
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "fgd"])
-def test_error_feedback_resumes_exactly_and_is_dropped_on_rejoin(make_config, strategy):
+def _residuals(feedback: dict) -> list[torch.Tensor]:
+    """An operation's residuals in a checkpoint: its own coding's, and its chunk mean's."""
+    return (
+        [feedback["residual"], *_residuals(feedback["mean"])]
+        if "mean" in feedback
+        else [feedback["residual"]]
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy, codec, average",
+    [
+        ("diloco", "topk:0.05", "all_gather"),
+        ("fgd", "topk:0.05", "all_gather"),
+        ("diloco", "2bit", "reduce_scatter"),  # a second residual: the chunk mean's coding
+    ],
+)
+def test_error_feedback_resumes_exactly_and_is_dropped_on_rejoin(
+    make_config, strategy, codec, average
+):
     sets = (
         f"outer.strategy='{strategy}'",
-        "outer.codec='topk:0.05'",
+        f"outer.codec='{codec}'",
+        f"outer.coded_average='{average}'",
         "run.workers=2",
         "run.steps=24",
         "run.checkpoint_every=1",
@@ -164,17 +184,24 @@ def test_error_feedback_resumes_exactly_and_is_dropped_on_rejoin(make_config, st
         fa, fb = a["outer"]["feedback"], b["outer"]["feedback"]
         assert fa.keys() == fb.keys() and fa
         for op in fa:
-            assert fa[op]["residual"].norm() > 0
-            assert torch.equal(fa[op]["residual"], fb[op]["residual"])
+            assert len(_residuals(fa[op])) == (2 if average == "reduce_scatter" else 1)
+            for x, y in zip(_residuals(fa[op]), _residuals(fb[op]), strict=True):
+                assert x.norm() > 0 and torch.equal(x, y)
 
     rounds = [r for r in read_metrics(full_dir / "metrics.jsonl") if r["kind"] == "round"]
     if strategy == "diloco":  # real gloo processes count the same encoded bytes
         numel = sum(p.numel() for p in build_model(full).parameters())
-        wire = compress.wire_bytes(numel, "topk:0.05")
+        wire = compress.wire_bytes(numel, codec)
+        if average == "reduce_scatter":  # a chunk each way: 2 (n - 1) chunks at n = 2
+            wire = 2 * compress.wire_bytes(compress.chunk_numel(numel, 2), codec)
         assert [r["comm/bytes_sent"] for r in rounds] == [wire] * len(rounds)
     last = rounds[-1]
-    for rank, state in enumerate(states[0]):  # the logged norm is the checkpointed residual's
-        norms = [fb["residual"].double().norm() ** 2 for fb in state["outer"]["feedback"].values()]
+    for rank, state in enumerate(states[0]):  # the logged norm is the checkpointed residuals'
+        norms = [
+            x.double().norm() ** 2
+            for fb in state["outer"]["feedback"].values()
+            for x in _residuals(fb)
+        ]
         assert last["peer/feedback_norm"][rank] == pytest.approx(float(sum(norms) ** 0.5))
 
     strat = build_strategy(full, build_model(full), LocalComm())

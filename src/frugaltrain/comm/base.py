@@ -451,7 +451,12 @@ class Comm:
                 for j in taken
             ]
             mean = weighted_sum([1.0 / len(taken)] * len(taken), flats)
-            gathered = self._all_gather(compress.encode(mean, codec), seq + 1).wait_all()
+            if feedback is not None:  # the mean's coding carries its rest too
+                mean = feedback.of_mean().compensate(mean)
+            coded = compress.encode(mean, codec)
+            if feedback is not None:
+                feedback.of_mean().keep(mean - compress.decode(coded, codec, size))
+            gathered = self._all_gather(coded, seq + 1).wait_all()
             means = [compress.decode(gathered[r], codec, size) for r in self.members]
             unflatten_into(torch.cat(means)[: flat.numel()], tensors)
 

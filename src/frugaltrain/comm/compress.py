@@ -4,6 +4,12 @@ Dense: fp32, bf16, int8 (blockwise absmax scale) and 4-bit E3M0 (sign + 3 expone
 mantissa, blockwise scale; the Streaming DiLoCo format). A worker never quantizes its own
 contribution to a dense mix: only what it receives is lossy.
 
+Dense with error feedback: `2bit` (a sign bit and one bit choosing between two magnitudes per
+block, the means of the block's smaller and larger magnitudes) and `1bit` (the sign, times the
+block's mean magnitude; signSGD's scaled sign). They lose too much to send alone, so like the
+sparse codecs a worker's own contribution is what it sent and the rest goes to the operation's
+error feedback (`keeps_residual`).
+
 Sparse (SparseLoCo's chunked top-k): `topk:F` keeps the ceil(F * CHUNK) largest-magnitude
 entries of every CHUNK consecutive values and sends their positions in the chunk (12-bit,
 bit-packed) and their values (fp32; `topk:F+2bit`: a sign bit and one bit choosing between two
@@ -35,8 +41,18 @@ INDEX_BITS = 12
 _E3M0_LEVELS = 7  # non-zero magnitudes scale * 2^-e for e = 0..6; code 0 is exact zero
 
 
+FEEDBACK_CODECS = ("2bit", "1bit")
+"""Dense codecs that keep what they did not send as error feedback."""
+
+
 def is_sparse(codec: str) -> bool:
     return codec.startswith("topk:")
+
+
+def keeps_residual(codec: str) -> bool:
+    """Whether `codec` sends only part of a payload and keeps the rest as error feedback
+    (comm/feedback.py): the sparse codecs, 2bit and 1bit."""
+    return is_sparse(codec) or codec in FEEDBACK_CODECS
 
 
 @lru_cache(maxsize=64)
@@ -62,6 +78,10 @@ def wire_bytes(numel: int, codec: str) -> int:
         return numel + 4 * blocks
     if codec == "e3m0":
         return -(-numel // 2) + 4 * blocks
+    if codec == "2bit":  # whole blocks of codes, two fp32 levels each
+        return blocks * (BLOCK // 4 + 8)
+    if codec == "1bit":
+        return blocks * (BLOCK // 8 + 4)
     raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
 
 
@@ -85,6 +105,11 @@ def encode(flat: torch.Tensor, codec: str) -> list[torch.Tensor]:
     if codec == "bf16":
         return [flat.to(torch.bfloat16)]
     blocks = _blocks(flat.float())
+    if codec == "2bit":
+        codes, levels = _two_levels(blocks, _counts(flat.numel()))
+        return [_pack_crumbs(codes), levels.flatten()]
+    if codec == "1bit":
+        return [_pack_signs(blocks), blocks.abs().sum(dim=1) / _counts(flat.numel())]
     scale = blocks.abs().amax(dim=1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     unit = blocks / safe[:, None]  # in [-1, 1]
@@ -113,6 +138,13 @@ def decode(parts: list[torch.Tensor], codec: str, numel: int) -> torch.Tensor:
         return _decode_topk(parts, numel, *_topk(codec))
     if codec in ("fp32", "bf16"):
         return parts[0].float()
+    if codec == "2bit":
+        codes = _unpack_crumbs(parts[0]).view(-1, BLOCK)
+        mag = parts[1].view(-1, 2).gather(1, (codes >> 1).long())
+        return torch.where((codes & 1) > 0, -mag, mag).flatten()[:numel]
+    if codec == "1bit":
+        signs = _unpack_signs(parts[0]).view(-1, BLOCK)
+        return (signs * parts[1][:, None]).flatten()[:numel]
     payload, scale = parts
     if codec == "int8":
         unit = _blocks(payload.float()) / 127
@@ -154,6 +186,60 @@ def roundtrip(flat: torch.Tensor, codec: str) -> torch.Tensor:
     if codec == "fp32":
         return flat
     return decode(encode(flat, codec), codec, flat.numel())
+
+
+# ---- dense with error feedback: 2bit, 1bit (whole blocks, so the counts divide by 4 and 8)
+
+_CRUMB_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def _counts(numel: int) -> torch.Tensor:
+    """Values per block of `numel`: BLOCK each, fewer in a last block that padding fills."""
+    counts = torch.full((-(-numel // BLOCK),), float(BLOCK))
+    counts[-1] = numel - BLOCK * (len(counts) - 1)
+    return counts
+
+
+def _two_levels(blocks: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block (row) of `counts` values (the padding after them is zero): code = sign bit |
+    (magnitude at least the block's mean) << 1; levels = the mean magnitude below and at or
+    above it. The mean splits a Gaussian block near where the best two levels would (0.35 of
+    its norm lost, against 0.34 at the optimum)."""
+    mag = blocks.abs()
+    total = mag.sum(1)
+    large = mag >= (total / counts)[:, None]
+    n_large = large.sum(1)
+    big = (mag * large).sum(1)
+    levels = torch.stack(
+        [(total - big) / (counts - n_large).clamp_min(1), big / n_large.clamp_min(1)], dim=1
+    )
+    return (blocks < 0).to(torch.uint8) | (large.to(torch.uint8) << 1), levels
+
+
+def _pack_crumbs(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (uint8 below 4), four to a byte, the first in the low bits."""
+    return (codes.reshape(-1, 4) << _CRUMB_SHIFTS).sum(1, dtype=torch.uint8)
+
+
+def _unpack_crumbs(packed: torch.Tensor) -> torch.Tensor:
+    return ((packed[:, None] >> _CRUMB_SHIFTS) & 3).flatten()
+
+
+def _pack_signs(blocks: torch.Tensor) -> torch.Tensor:
+    """One bit per value, set where it is negative, eight to a byte."""
+    return ((blocks < 0).to(torch.uint8).reshape(-1, 8) << _BIT_SHIFTS).sum(1, dtype=torch.uint8)
+
+
+@lru_cache(maxsize=1)
+def _sign_table() -> torch.Tensor:
+    """(256, 8): +1 or -1 for each bit of a byte."""
+    bits = (torch.arange(256, dtype=torch.uint8)[:, None] >> _BIT_SHIFTS) & 1
+    return 1.0 - 2.0 * bits.float()
+
+
+def _unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    return torch.index_select(_sign_table(), 0, packed.to(torch.int32)).flatten()
 
 
 # ---- sparse: chunked top-k

@@ -1,6 +1,8 @@
-"""Error feedback for sparse codecs (SparseLoCo; Karimireddy et al., "Error Feedback Fixes
-SignSGD"): what a worker did not send of one operation's payload is added to that operation's
-next payload, so nothing is lost, only delayed.
+"""Error feedback for codecs that send only part of a payload, the sparse ones, 2bit and 1bit
+(SparseLoCo; Karimireddy et al., "Error Feedback Fixes SignSGD"): what a worker did not send of
+one operation's payload is added to that operation's next payload, so nothing is lost, only
+delayed. In a reduce-scatter average the chunk mean a worker codes again has its own residual
+(`of_mean`).
 
 Per round t, on one worker, with payload p_t (its flat pseudo-gradient) and decay beta:
 
@@ -26,6 +28,14 @@ class ErrorFeedback:
     def __init__(self, decay: float = 1.0) -> None:
         self.decay = decay
         self.residual: torch.Tensor | None = None
+        self._mean: ErrorFeedback | None = None
+
+    def of_mean(self) -> ErrorFeedback:
+        """The feedback of the mean this worker codes in a reduce-scatter average (its chunk's
+        mean, coded again for the all-gather): that coding's unsent rest, carried likewise."""
+        if self._mean is None:
+            self._mean = ErrorFeedback(self.decay)
+        return self._mean
 
     def compensate(self, flat: torch.Tensor) -> torch.Tensor:
         """a = p + beta e: the payload with what earlier rounds did not send."""
@@ -44,13 +54,21 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.residual = None
+        self._mean = None
 
     def norm(self) -> float:
-        return 0.0 if self.residual is None else float(self.residual.norm())
+        own = 0.0 if self.residual is None else float(self.residual.norm())
+        return own if self._mean is None else (own**2 + self._mean.norm() ** 2) ** 0.5
 
     def state_dict(self) -> dict:
-        return {"residual": None if self.residual is None else self.residual.clone()}
+        state = {"residual": None if self.residual is None else self.residual.clone()}
+        if self._mean is not None:
+            state["mean"] = self._mean.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         residual = state["residual"]
         self.residual = None if residual is None else residual.clone()
+        self._mean = None
+        if "mean" in state:
+            self.of_mean().load_state_dict(state["mean"])

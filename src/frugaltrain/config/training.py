@@ -68,7 +68,8 @@ _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
 MODEL_FAMILIES = ("gpt", "llama", "qwen2", "gpt2", "hf")  # built in models/__init__.py
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
-CODECS = ("fp32", "bf16", "int8", "e3m0")  # dense codecs, encoded in comm/compress.py
+PARAM_CODECS = ("fp32", "bf16", "int8", "e3m0")  # dense, for anything (comm/compress.py)
+CODECS = (*PARAM_CODECS, "2bit", "1bit")  # dense; the last two keep a residual, so not params
 SPARSE_CODEC = "topk:FRACTION or topk:FRACTION+2bit, 0 < FRACTION <= 1"
 
 
@@ -87,8 +88,9 @@ def parse_codec(name: str) -> tuple[float, bool]:
 
 
 def codec_error(name: str, *, dense_only: bool = False) -> str | None:
-    """Why `name` is not a codec the config accepts (None: it is)."""
-    if name in CODECS:
+    """Why `name` is not a codec the config accepts (None: it is); `dense_only`: for
+    parameters, which a codec that keeps a residual (2bit, 1bit, top-k) cannot carry."""
+    if name in (PARAM_CODECS if dense_only else CODECS):
         return None
     if not dense_only and name.startswith("topk:"):
         try:
@@ -97,7 +99,7 @@ def codec_error(name: str, *, dense_only: bool = False) -> str | None:
         except ValueError:
             pass
     sparse = "" if dense_only else f", or {SPARSE_CODEC}"
-    return f"choose one of {', '.join(CODECS)}{sparse}"
+    return f"choose one of {', '.join(PARAM_CODECS if dense_only else CODECS)}{sparse}"
 
 
 FGD_PRESETS = {
@@ -617,13 +619,14 @@ class OuterSection(Section):
     nesterov: bool = True
     """Nesterov outer momentum (ignored when momentum is 0)."""
     codec: str = "fp32"
-    """Encoding of the pseudo-gradients the outer step sends: fp32, bf16, int8, e3m0 (4-bit), or
-    sparse: topk:F (the largest fraction F of every 4096 values, with their positions) and
-    topk:F+2bit (values in 2 bits). Sparse codecs carry what was not sent to the next round
-    (error feedback, outer.feedback_decay)."""
+    """Encoding of the pseudo-gradients the outer step sends: fp32, bf16, int8, e3m0 (4-bit);
+    2bit (a sign and one of two block magnitudes) and 1bit (the sign times the block's mean
+    magnitude); or sparse: topk:F (the largest fraction F of every 4096 values, with their
+    positions) and topk:F+2bit (values in 2 bits). 2bit, 1bit and the sparse codecs carry what
+    was not sent to the next round (error feedback, outer.feedback_decay)."""
     feedback_decay: float = 1.0
-    """Sparse codecs: what a worker did not send is added to its next round's pseudo-gradient
-    times this (1: all of it, 0: dropped, no error feedback)."""
+    """2bit, 1bit and sparse codecs: what a worker did not send is added to its next round's
+    pseudo-gradient times this (1: all of it, 0: dropped, no error feedback)."""
     coded_average: str = "all_gather"
     """How an average under a dense codec other than fp32 travels: all_gather (each worker sends
     its coded payload to the M-1 others; its own values stay exact) or reduce_scatter (coded

@@ -18,7 +18,7 @@ class Diagnostics:
     """The outer momentum buffers m_i, one per parameter; None: none yet (before the first outer
     step) or none at all (ddp, momentum 0)."""
     feedback_norm: float = 0.0
-    """Norm of the error feedback not yet sent (0 for a dense codec)."""
+    """Norm of the error feedback not yet sent (0 for a codec that sends everything)."""
 
 
 class Strategy(Protocol):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from frugaltrain.comm import Comm
-from frugaltrain.comm.compress import is_sparse
+from frugaltrain.comm.compress import keeps_residual
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.outer.base import Diagnostics
 from frugaltrain.outer.sgd import OuterSGD
@@ -52,9 +52,10 @@ def outer_step(
 
 
 def dense_or_fp32(codec: str) -> str:
-    """The codec for parameter traffic: `codec` if dense, else fp32 (top-k cannot thin
-    parameters: they are not sparse, and a mix of them has no error feedback)."""
-    return "fp32" if is_sparse(codec) else codec
+    """The codec for parameter traffic: `codec` if it sends everything, else fp32 (top-k, 2bit
+    and 1bit cannot thin parameters: they lean on error feedback, which a mix of parameters
+    has not)."""
+    return "fp32" if keeps_residual(codec) else codec
 
 
 @torch.no_grad()
@@ -75,8 +76,8 @@ class OuterRound:
         nesterov: Nesterov look-ahead.
         seed: seeds what a strategy draws at random (topologies, groups); the same everywhere.
         codec: encoding of the pseudo-gradients sent (comm.compress).
-        feedback_decay: a sparse codec's error feedback carries this much of what was not sent
-            into the next round (comm.feedback).
+        feedback_decay: a codec's error feedback (top-k, 2bit, 1bit) carries this much of
+            what was not sent into the next round (comm.feedback).
         coded_average: how the comm moves an average under a dense codec (Comm.coded_average:
             all_gather or reduce_scatter); it is the run's choice, set on the comm here.
     """
@@ -139,13 +140,14 @@ class OuterRound:
         return True
 
     def feedback(self, op: str) -> ErrorFeedback | None:
-        """The error feedback of operation `op` under a sparse codec (None for a dense one)."""
-        if not is_sparse(self.codec):
+        """The error feedback of operation `op` under a codec that keeps a residual (None for
+        one that sends everything)."""
+        if not keeps_residual(self.codec):
             return None
         return self.feedbacks.setdefault(op, ErrorFeedback(self.feedback_decay))
 
     def feedback_norm(self) -> float:
-        """Norm of everything not yet sent (0 for a dense codec)."""
+        """Norm of everything not yet sent (0 for a codec that sends everything)."""
         return sum(f.norm() ** 2 for f in self.feedbacks.values()) ** 0.5
 
     def momenta(self) -> list[torch.Tensor] | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from frugaltrain.comm.compress import is_sparse
+from frugaltrain.comm.compress import keeps_residual
 from frugaltrain.config import Config, ConfigError, to_dict
 
 # Keys that must match for a checkpoint to be resumable; run.steps, checkpointing and display
@@ -173,7 +173,7 @@ def check_resumable(ckpt_dir: Path, cfg: Config) -> dict:
             f"{cfg.run.workers}; resume with --set run.workers={meta['workers']}"
         )
     saved = meta.get("shards", 1)
-    if saved != cfg.run.shards and is_sparse(cfg.outer.codec) and cfg.outer.feedback_decay > 0:
+    if saved != cfg.run.shards and keeps_residual(cfg.outer.codec) and cfg.outer.feedback_decay > 0:
         raise ConfigError(
             f"checkpoint {ckpt_dir} was written with run.shards = {saved} and "
             f"outer.codec = {cfg.outer.codec!r} keeps each shard's unsent residual (error "
