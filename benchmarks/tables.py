@@ -1335,6 +1335,17 @@ OVERLAP_PAIRS = (  # DiLoCo's round in 4 bits at H = 5: blocking, sent 2 steps e
     ("GlobalM2-4bit-H5-late-w0.5", "diloco"),
     ("GlobalM2-4bit-H5-eager", "diloco"),
 )
+LOWBIT_FILES = (  # 4 bits from its own files (stdlib; doc and include), 2 and 1 from these
+    "fgd_h5_rs_grid.json",
+    "fgd_reduce_scatter_diloco.json",
+    "fgd_lowbit_probe.json",
+    "fgd_lowbit_report.json",
+)
+LOWBIT_PAIRS = (  # the flagship's round in 4, 2 and 1 bits, the last two with error feedback
+    ("diloco-e3m0-H5-rs", "diloco"),
+    ("diloco-2bit-H5-rs", "diloco"),
+    ("diloco-1bit-H5-rs", "diloco"),
+)
 RS_FILES = ("fgd_reduce_scatter_stdlib.json", "fgd_reduce_scatter.json")
 RS_PAIRS = (  # 4-bit averages as a reduce-scatter then an all-gather, against the gather
     ("GlobalM2-4bit-H5-d1-rs", "diloco"),
@@ -1581,6 +1592,12 @@ TABLES = {
     "time-to-loss-doc-r2-seeds-split": _time_to_loss(
         "time_to_loss_doc_snapshot_r2_seeds345.json", time_split_table
     ),
+    "time-to-loss-2bit-links": _time_to_loss("time_to_loss_doc_2bit.json", links_table),
+    "time-to-loss-2bit": _time_to_loss("time_to_loss_doc_2bit.json", time_to_loss_table),
+    "time-to-loss-2bit-split": _time_to_loss("time_to_loss_doc_2bit.json", time_split_table),
+    "time-to-loss-2bit-r1-links": _time_to_loss("time_to_loss_doc_2bit_r1.json", links_table),
+    "time-to-loss-2bit-r1": _time_to_loss("time_to_loss_doc_2bit_r1.json", time_to_loss_table),
+    "time-to-loss-2bit-r1-split": _time_to_loss("time_to_loss_doc_2bit_r1.json", time_split_table),
     "time-to-loss-period-split": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),
@@ -1689,6 +1706,7 @@ TABLES = {
     "fgd-globalm2-overlap": Table(
         "docs/results/fgd.md", OVERLAP_FILES, fgd_pair_ratios(OVERLAP_PAIRS)
     ),
+    "fgd-lowbit": Table("docs/results/fgd.md", LOWBIT_FILES, fgd_pair_ratios(LOWBIT_PAIRS)),
     "default-job-choice": Table(
         "docs/models.md", DEFAULT_JOB_FILES[:2], hf_outer_choice(DEFAULT_JOB_GRID)
     ),
