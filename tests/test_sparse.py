@@ -135,11 +135,7 @@ def test_simulated_bytes_are_the_encoded_bytes(make_config, tmp_path):
 
 def _residuals(feedback: dict) -> list[torch.Tensor]:
     """An operation's residuals in a checkpoint: its own coding's, and its chunk mean's."""
-    return (
-        [feedback["residual"], *_residuals(feedback["mean"])]
-        if "mean" in feedback
-        else [feedback["residual"]]
-    )
+    return [feedback["residual"]] + ([feedback["mean"]["residual"]] if "mean" in feedback else [])
 
 
 @pytest.mark.parametrize(

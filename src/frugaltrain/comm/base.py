@@ -451,11 +451,8 @@ class Comm:
                 for j in taken
             ]
             mean = weighted_sum([1.0 / len(taken)] * len(taken), flats)
-            if feedback is not None:  # the mean's coding carries its rest too
-                mean = feedback.of_mean().compensate(mean)
-            coded = compress.encode(mean, codec)
-            if feedback is not None:
-                feedback.of_mean().keep(mean - compress.decode(coded, codec, size))
+            # The mean's coding carries its rest too, in a residual of its own.
+            _, coded = encode_own([mean], codec, feedback and feedback.of_mean())
             gathered = self._all_gather(coded, seq + 1).wait_all()
             means = [compress.decode(gathered[r], codec, size) for r in self.members]
             unflatten_into(torch.cat(means)[: flat.numel()], tensors)

@@ -87,19 +87,19 @@ def parse_codec(name: str) -> tuple[float, bool]:
     return fraction, two_bit
 
 
-def codec_error(name: str, *, dense_only: bool = False) -> str | None:
-    """Why `name` is not a codec the config accepts (None: it is); `dense_only`: for
-    parameters, which a codec that keeps a residual (2bit, 1bit, top-k) cannot carry."""
-    if name in (PARAM_CODECS if dense_only else CODECS):
+def codec_error(name: str, *, params: bool = False) -> str | None:
+    """Why `name` is not a codec the config accepts (None: it is); `params`: for parameters,
+    which a codec that keeps a residual (2bit, 1bit, top-k) cannot carry."""
+    if name in (PARAM_CODECS if params else CODECS):
         return None
-    if not dense_only and name.startswith("topk:"):
+    if not params and name.startswith("topk:"):
         try:
             parse_codec(name)
             return None
         except ValueError:
             pass
-    sparse = "" if dense_only else f", or {SPARSE_CODEC}"
-    return f"choose one of {', '.join(PARAM_CODECS if dense_only else CODECS)}{sparse}"
+    sparse = "" if params else f", or {SPARSE_CODEC}"
+    return f"choose one of {', '.join(PARAM_CODECS if params else CODECS)}{sparse}"
 
 
 FGD_PRESETS = {
@@ -652,7 +652,7 @@ class OuterSection(Section):
         for key in ("codec", "param_codec"):
             value = getattr(self, key)
             if value or key == "codec":
-                error = codec_error(value, dense_only=key == "param_codec")
+                error = codec_error(value, params=key == "param_codec")
                 self.require(error is None, key, error or "")
         self.require(0 <= self.feedback_decay <= 1, "feedback_decay", "must be in [0, 1]")
         self.one_of("coded_average", ("all_gather", "reduce_scatter"))
