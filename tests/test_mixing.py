@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -152,7 +153,7 @@ def _worker(rank, world, port, cases, out):
             results.append(
                 ([t.clone() for t in x], comm.stats.bytes_sent, comm.stats.bytes_received)
             )
-        out[rank] = (results, _feedback_rounds(rank))
+        out[rank] = (results, _feedback_rounds(rank), _completes_unwaited(rank))
     finally:
         dist.destroy_process_group()
 
@@ -172,6 +173,21 @@ def _feedback_rounds(rank: int) -> tuple:
         comm.all_reduce_mean_(x, codec="2bit", feedback=fb)
         got.append(x[0].clone())
     return payloads, got, fb.residual, fb.of_mean().residual
+
+
+def _completes_unwaited(rank: int) -> tuple[bool, torch.Tensor]:
+    """A non-blocking reduce-scatter average in e3m0, not waited on until it has completed:
+    whether it completed (its second phase moved without a wait), and its result."""
+    comm = TorchDistComm()
+    comm.coded_average = "reduce_scatter"
+    x = _inputs(rank)
+    handle = comm.all_reduce_mean_(x, codec="e3m0", blocking=False)
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not handle.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    moved = handle.is_completed()
+    handle.wait()
+    return moved, torch.cat([t.flatten() for t in x])
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +273,16 @@ def test_reduce_scatter_feedback_carries_both_codings(gloo_results):
     carried = torch.cat([out[r][3] for r in range(world)])[:NUMEL]  # owner r holds chunk r
     assert all(out[r][3].numel() == size for r in range(world)) and carried.norm() > 0
     torch.testing.assert_close(got[0].sum(0) + carried, sum(sent) / world, rtol=0, atol=1e-5)
+
+
+def test_a_two_phase_average_completes_without_being_waited_on(gloo_results):
+    """The chunk means go out as soon as the first phase has arrived, not when the handle is
+    waited on (what lets a step-early round hide both phases), with the same means."""
+    flats = [torch.cat([t.flatten() for t in _inputs(r)]) for r in range(4)]
+    for r in range(4):
+        moved, got = gloo_results[r][2]
+        assert moved
+        assert torch.equal(got, _two_phase_mean(flats, "e3m0"))
 
 
 def test_exchange_posts_every_receive_before_any_send(monkeypatch):

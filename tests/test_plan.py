@@ -113,6 +113,17 @@ def test_clock_equals_the_simulator_on_every_branch(make_config, variant):
     assert c.bytes_sent == summary["comm/bytes_sent_per_worker"]
 
 
+def test_a_step_early_two_phase_average_hides_both_phases_behind_the_step(make_config):
+    """The chunk means go out when the first phase has arrived, not at the round's end: where
+    both phases fit in the step a step-early round overlaps, it never blocks (the engine's
+    clock, which the clock above equals); sent at the round's end, the same bytes block."""
+    rs = ("outer.codec='e3m0'", "outer.coded_average='reduce_scatter'", "outer.H=5", "run.steps=10")
+    early = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM2'", "outer.fgd.mix2_delay=1")
+    sim = SimSection(step_s=1.0, bandwidth_bps=[20e6] * 4)
+    assert clock(make_config(*TINY, *rs, *early), sim).blocking_s == 0
+    assert clock(make_config(*TINY, *rs), sim).blocking_s > 0
+
+
 def test_clock_equals_the_simulator_with_stragglers_and_drops(make_config):
     sets = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'", "run.steps=24")
     cfg = make_config(*TINY, *sets)

@@ -421,7 +421,8 @@ class Comm:
         mean and sends it to all. Each worker sends 2 (M-1)/M of its coded payload instead of
         the gather's M-1 (half at M = 4), at the price of coding the mean once more. Every
         worker, chunk j's owner included, takes the decoded means, so all hold the same result.
-        The second phase starts when the handle is waited on."""
+        The second phase starts when the first has arrived on runtimes that move it in the
+        background (`_send_all_later`), else when the handle is waited on."""
         n, me = len(self.members), self.position
         flat = flatten(tensors)
         if feedback is not None:
@@ -441,7 +442,8 @@ class Comm:
         self._op_seq += 2
         scatter = self._scatter({self.members[j]: parts[j] for j in range(n) if j != me}, seq)
 
-        def finish() -> None:
+        def coded_mean() -> list[torch.Tensor]:
+            """The first phase's end: the mean of this worker's chunk, coded."""
             received, rank = scatter.wait_all(), self.rank
             taken = [
                 j for j in range(n) if j == me or self.wire.received(seq, self.members[j], rank)
@@ -452,12 +454,22 @@ class Comm:
             ]
             mean = weighted_sum([1.0 / len(taken)] * len(taken), flats)
             # The mean's coding carries its rest too, in a residual of its own.
-            _, coded = encode_own([mean], codec, feedback and feedback.of_mean())
-            gathered = self._all_gather(coded, seq + 1).wait_all()
-            means = [compress.decode(gathered[r], codec, size) for r in self.members]
-            unflatten_into(torch.cat(means)[: flat.numel()], tensors)
+            return encode_own([mean], codec, feedback and feedback.of_mean())[1]
 
-        return Handle(self.stats, finish)
+        means = self._send_all_later(coded_mean, seq + 1)
+
+        def finish() -> None:
+            gathered = means.wait_all()
+            decoded = [compress.decode(gathered[r], codec, size) for r in self.members]
+            unflatten_into(torch.cat(decoded)[: flat.numel()], tensors)
+
+        return Handle(self.stats, finish, means.is_completed)
+
+    def _send_all_later(self, parts: Callable[[], list[torch.Tensor]], seq: int) -> Exchange:
+        """Every member's `parts()` to every member (its own included in the result), where
+        `parts()` waits on what they are made of. Here it starts when waited on; runtimes that
+        can move it in the background start it as soon as `parts()` has returned."""
+        return Exchange(lambda: self._all_gather(parts(), seq).wait_all(), lambda: False)
 
     def drain_rejections(self) -> list[dict]:
         """The guard's records since the last call (`"kind": "rejected"`), for worker 0's

@@ -12,6 +12,9 @@ ranks and peers are then positions in it.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -76,6 +79,33 @@ class TorchDistComm(Comm):
     def _scatter(self, parts_to: dict[int, list[torch.Tensor]], seq: int) -> Exchange:
         like = next(iter(parts_to.values()))  # every chunk codes to the same shapes
         return self._send_receive(parts_to, list(parts_to), like, seq)
+
+    def _send_all_later(self, parts: Callable[[], list[torch.Tensor]], seq: int) -> Exchange:
+        """In a thread of its own, started now: `parts()` (the two-phase average's chunk mean,
+        once the first phase has arrived) goes to every peer at once, so it moves during the
+        inner step a step-early round overlaps instead of after the round's end. Point to
+        point and tagged, so it cannot reorder against collectives this worker's own thread
+        posts meanwhile; an error in the thread is raised by `wait_all`."""
+        peers = [r for r in self.members if r != self.rank]
+        out: dict = {}
+
+        def move() -> None:
+            try:
+                own = parts()
+                out["parts"] = {**self._exchange(own, peers, peers, seq).wait_all(), self.rank: own}
+            except BaseException as e:  # handed to the thread that waits
+                out["error"] = e
+
+        thread = threading.Thread(target=move, name="coded-means", daemon=True)
+        thread.start()
+
+        def wait_all() -> dict[int, list[torch.Tensor]]:
+            thread.join()
+            if "error" in out:
+                raise out["error"]
+            return out["parts"]
+
+        return Exchange(wait_all, lambda: not thread.is_alive())
 
     def _send_receive(
         self,

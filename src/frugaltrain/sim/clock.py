@@ -107,25 +107,30 @@ class _Lockstep:
 
     def _post_two_phases(self, numel: int, codec: str) -> list:
         """Comm._average_in_two_phases: M-1 shifted exchanges of a chunk now; the chunks' means
-        gathered once they are waited on (a callable in the returned list)."""
+        sent to every peer at the time the first phase ended (the runtimes move it in the
+        background), waited on with the rest (a callable in the returned list)."""
         M = self.M
         size = chunk_numel(numel, M)
         wire = wire_bytes(size, codec)
         self.bytes_sent = [b + 2 * (M - 1) * wire for b in self.bytes_sent]
-        phase1 = []
+        phase1 = [[] for _ in range(M)]
         for k in range(1, M):
             self.seq += 1
             key = ("op", self.seq)
             for r in range(M):
                 meta = {"wire": wire, "send_to": [(r + k) % M], "recv_from": [(r - k) % M]}
-                phase1.append((r, self.world.post(r, key, "exchange", None, **meta)))
+                phase1[r].append(self.world.post(r, key, "exchange", None, **meta))
 
         def phase2() -> None:
-            for r, op in phase1:
-                self.world.wait(r, op)
             self.seq += 1
-            key = ("op", self.seq)
-            ops = [self.world.post(r, key, "gather", None, nbytes=wire) for r in range(M)]
+            key, ops = ("op", self.seq), []
+            for r in range(M):
+                with self.world.aside(r) as ended:
+                    for op in phase1[r]:
+                        self.world.wait(r, op)
+                peers = [j for j in range(M) if j != r]
+                meta = {"wire": wire, "send_to": peers, "recv_from": peers, "at": ended[0]}
+                ops.append(self.world.post(r, key, "exchange", None, **meta))
             for r, op in enumerate(ops):
                 self.world.wait(r, op)
 

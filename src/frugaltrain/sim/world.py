@@ -23,6 +23,8 @@ all-reduce failures with retry-after-timeout or rollback (the engine restores th
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,6 +80,7 @@ class SimWorld:
         self._ops: dict[tuple, _Op] = {}
         self._cond = threading.Condition()
         self._aborted: BaseException | None = None
+        self._aside: dict[int, list[float]] = {}  # rank -> [latest end waited on aside]
 
     # ---- clock
     def advance(self, rank: int, seconds: float) -> None:
@@ -90,8 +93,22 @@ class SimWorld:
             self._aborted = exc
             self._cond.notify_all()
 
+    @contextmanager
+    def aside(self, rank: int) -> Iterator[list[float]]:
+        """Waits of `rank` inside do not move its clock: what a runtime does in a background
+        thread. Yields [the latest end among them] (0 if none)."""
+        ended = self._aside[rank] = [0.0]
+        try:
+            yield ended
+        finally:
+            del self._aside[rank]
+
     # ---- operations
-    def post(self, rank: int, key: tuple, kind: str, payload, **meta) -> _Op:
+    def post(
+        self, rank: int, key: tuple, kind: str, payload, at: float | None = None, **meta
+    ) -> _Op:
+        """Post `rank`'s part of operation `key` at its clock, or at simulated time `at` (a
+        background thread's post, earlier than the clock)."""
         with self._cond:
             op = self._ops.get(key)
             if op is None:
@@ -101,7 +118,7 @@ class SimWorld:
                     f"[sim worker {rank}] operation {key} is a {op.kind} over {op.members}, but "
                     f"this worker posted a {kind}: workers issued collectives in different orders"
                 )
-            op.posts[rank] = (payload, self.clock[rank], meta)
+            op.posts[rank] = (payload, self.clock[rank] if at is None else at, meta)
             if len(op.posts) == len(op.members):
                 self._complete(op)
                 self._cond.notify_all()
@@ -121,9 +138,12 @@ class SimWorld:
             if op.kind.startswith("metric"):
                 result = op.result
             else:
-                blocked = max(0.0, op.end[rank] - self.clock[rank])
-                self.clock[rank] += blocked
-                self.blocking_s[rank] += blocked
+                if rank in self._aside:
+                    self._aside[rank][0] = max(self._aside[rank][0], op.end[rank])
+                else:
+                    blocked = max(0.0, op.end[rank] - self.clock[rank])
+                    self.clock[rank] += blocked
+                    self.blocking_s[rank] += blocked
                 result = op.result[rank] if op.kind == "exchange" else op.result
             op.waited.add(rank)
             if len(op.waited) == len(op.members):
@@ -310,6 +330,22 @@ class SimComm(Comm):
             return received
 
         return Exchange(wait_all, lambda: self.world.is_done(self.rank, op))
+
+    def _send_all_later(self, parts: Callable[[], list[torch.Tensor]], seq: int) -> Exchange:
+        """As TorchDistComm moves it, in the background: posted at the simulated time its
+        first phase ended for this worker, a point-to-point exchange with every peer."""
+
+        def wait_all() -> dict[int, list[torch.Tensor]]:
+            with self.world.aside(self.rank) as ended:
+                own = parts()
+            peers = [r for r in self.members if r != self.rank]
+            meta = {"wire": sum(p.numel() * p.element_size() for p in own), "at": ended[0]}
+            op = self.world.post(
+                self.rank, self._next(), "exchange", own, send_to=peers, recv_from=peers, **meta
+            )
+            return {**self.world.wait(self.rank, op), self.rank: own}
+
+        return Exchange(wait_all, lambda: False)
 
     def _metric(self, t: torch.Tensor, kind: str) -> None:
         self.metric_seq += 1
