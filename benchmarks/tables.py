@@ -1598,6 +1598,22 @@ TABLES = {
     "time-to-loss-2bit-r1-links": _time_to_loss("time_to_loss_doc_2bit_r1.json", links_table),
     "time-to-loss-2bit-r1": _time_to_loss("time_to_loss_doc_2bit_r1.json", time_to_loss_table),
     "time-to-loss-2bit-r1-split": _time_to_loss("time_to_loss_doc_2bit_r1.json", time_split_table),
+    "time-to-loss-eager-links": _time_to_loss("time_to_loss_doc_eager.json", links_table),
+    "time-to-loss-eager": _time_to_loss("time_to_loss_doc_eager.json", time_to_loss_table),
+    "time-to-loss-eager-split": _time_to_loss("time_to_loss_doc_eager.json", time_split_table),
+    "time-to-loss-eager-plan": _plan("time_to_loss_doc_eager.json"),
+    "time-to-loss-means-ab": Table(
+        "docs/results/time_to_loss.md",
+        ("time_to_loss_means_at_round_end.json", "time_to_loss_means_when_in.json"),
+        lambda f: "\n\n".join(
+            f"{when}:\n\n{time_to_loss_table(r)}\n\n{time_split_table(r)}"
+            for when, r in zip(
+                ("The means sent at the round's end (the commit before)", "Sent when they are in"),
+                f,
+                strict=True,
+            )
+        ),
+    ),
     "time-to-loss-period-split": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_period_100ms.json", "time_to_loss_period_10ms.json"),
