@@ -107,8 +107,8 @@ class SimWorld:
     def post(
         self, rank: int, key: tuple, kind: str, payload, at: float | None = None, **meta
     ) -> _Op:
-        """Post `rank`'s part of operation `key` at its clock, or at simulated time `at` (a
-        background thread's post, earlier than the clock)."""
+        """Post `rank`'s part of operation `key` at its clock, or at simulated time `at` (what
+        a background thread posted when the operations it waited on ended)."""
         with self._cond:
             op = self._ops.get(key)
             if op is None:
