@@ -13,6 +13,11 @@ depend on whether the others are blocked.
                       # the planner against the runs (--before: with the first penalties)
 
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
+RATE may be rX instead: the rate at which DiLoCo's r (its all-reduce of the model over one
+round of compute) is X on this host now. Before the cases DiLoCo runs 5 rounds on unshaped links
+under the same CPU quota for its step time, and a probe at the ring's nominal rate for that r
+scales it to the rate gloo gets; the host's speed drifts by up to a quarter between hours, so
+a rate fixed in Mbit/s puts r anywhere from 0.75 to 1 (the links table gives the r each run got).
 Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
 the standard-library corpus with the same grid as every method) with the shared overrides below
 (steps, H, data, seed, an evaluation every --eval-rounds rounds). Runs are interleaved (for each
@@ -157,10 +162,55 @@ def common_overrides(args, seed: int, out_dir: str, longer: bool = False) -> lis
     return [*sets, *args.set]
 
 
-def parse_case(spec: str) -> tuple[str, float, float | None]:
+def parse_case(spec: str) -> tuple[str, str, float | None]:
+    """NAME=RATE[:SLOW]; RATE is Mbit/s, or rX (DiLoCo's r), resolved by `rate_for_r`."""
     name, _, rates = spec.partition("=")
     rate, _, slow = rates.partition(":")
-    return name, float(rate), float(slow) if slow else None
+    try:  # a bad number fails here, before any run
+        float(rate.removeprefix("r"))
+        return name, rate, float(slow) if slow else None
+    except ValueError:
+        raise ValueError(
+            f"--cases: {spec!r}: use NAME=RATE, NAME=RATE:SLOW (Mbit/s) or NAME=rX (DiLoCo's r X)"
+        ) from None
+
+
+def calibrate_step_s(args, runs: str, workers: int) -> float:
+    """DiLoCo's compute seconds per inner step under the workers' CPU quota: 5 rounds on
+    unshaped links (compute does not wait on the links; the quota holds it to what it gets in
+    the runs)."""
+    cfg_path, sets = overrides(BASELINE, common_overrides(args, 0, runs))
+    steps = 5 * args.H
+    sets += [f"run.steps={steps}", f"run.eval_every={steps}", "run.name='calibrate'"]
+    lab = {"rate_mbit": 0, "cpu_shares": [args.cpu_share] * workers,
+           "cpu_period_us": round(args.cpu_period_ms * 1000)}  # fmt: skip
+    return curve(run_one(cfg_path, sets, lab, 600))["step_s_measured"]
+
+
+def rate_for_r(r: float, step_s: float, H: int, M: int, S: int, allreduce_s) -> dict:
+    """The uniform link rate (Mbit/s) at which the all-reduce of S bytes takes r rounds of
+    compute: the ring's nominal rate (2(M-1)/M S over the link), scaled by what
+    `allreduce_s(rate)` measured there, as gloo gets less than the link's rate."""
+    round_s = r * H * step_s
+    nominal = 2 * (M - 1) / M * S * 8 / 1e6 / round_s
+    measured = allreduce_s(nominal)
+    return {"r": r, "step_s_measured": step_s, "nominal_mbit": round(nominal, 2),
+            "allreduce_s_at_nominal_measured": measured,
+            "rate_mbit": round(nominal * measured / round_s, 2)}  # fmt: skip
+
+
+def probed_allreduce_s(M: int, S: int, probe_dir: Path):
+    """allreduce_s(rate) for `rate_for_r`: a probe of M workers' links at that rate."""
+
+    def allreduce_s(rate: float) -> float:
+        from frugaltrain.netlab.lab import NetLab
+        from frugaltrain.netlab.run import probe
+
+        with NetLab(M, rate) as lab:
+            path = probe_dir / f"probe-at-{rate:.2f}.json"
+            return probe(lab, S, 3, path)["allreduce_s_measured"]
+
+    return allreduce_s
 
 
 def curve(run_dir: Path, clock: str = "training") -> dict:
@@ -308,7 +358,11 @@ def main() -> int:
         return 2
     methods = [BASELINE, *[m for m in methods if m != BASELINE]]
     seeds = [int(s) for s in args.seeds.split(",")]
-    cases = [parse_case(c) for c in args.cases.split(",")]
+    try:
+        cases = [parse_case(c) for c in args.cases.split(",")]
+    except ValueError as e:
+        print(e)
+        return 2
     variants = {m: [f"config=examples/{METHODS[m][0]}.toml", *METHODS[m][1]] for m in methods}
     record = provenance.start("measured", variants=variants, note="netlab, cgroup CPU quota")
     record |= {"methods": methods, "seeds": seeds, "steps": args.steps, "H": args.H,
@@ -322,8 +376,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as runs:
         base = overrides(BASELINE, common_overrides(args, 0, runs))
         M, S = load_config(*base).run.workers, _param_bytes(base)
-        labs = {}
-        for name, rate, slow in cases:  # the links as gloo gets them, before any run
+        labs, step_s, targets = {}, None, {}
+        for name, spec, slow in cases:  # the links as gloo gets them, before any run
+            if spec.startswith("r"):
+                if step_s is None:
+                    step_s = calibrate_step_s(args, runs, M)
+                measure = probed_allreduce_s(M, S, Path(runs))
+                targets[name] = rate_for_r(float(spec[1:]), step_s, args.H, M, S, measure)
+                rate = targets[name]["rate_mbit"]
+            else:
+                rate = float(spec)
             rates = [rate] * M if slow is None else [rate] * (M - 1) + [slow]
             labs[name] = {
                 "rate_mbit": rate,
@@ -334,6 +396,8 @@ def main() -> int:
             with NetLab(M, rate, rates=rates) as lab:
                 link = probe(lab, S, 3, Path(runs) / f"probe-{name}.json")
             record["cases"][name] = {"rates_mbit": rates, "probe": link, "runs": []}
+            if name in targets:
+                record["cases"][name]["target"] = targets[name]
         for seed in seeds:  # every case at one seed before the next seed
             for name, case in record["cases"].items():
                 diloco_wall = None

@@ -460,6 +460,24 @@ def _benchmark():
     return module
 
 
+def test_a_case_at_diloco_r_gets_the_rate_that_puts_its_all_reduce_there():
+    bench = _benchmark()
+    M, S, H, step_s = 4, 1_903_104, 10, 0.2
+    ring_bits = 2 * (M - 1) / M * S * 8
+
+    def allreduce_s(rate_mbit: float) -> float:  # a link on which gloo gets 80% of the rate
+        return ring_bits / (0.8 * rate_mbit * 1e6)
+
+    for r in (1.0, 2.0):
+        got = bench.rate_for_r(r, step_s, H, M, S, allreduce_s)
+        assert got["rate_mbit"] > got["nominal_mbit"]  # gloo gets less than the link carries
+        assert allreduce_s(got["rate_mbit"]) / (H * step_s) == pytest.approx(r, rel=1e-3)
+    assert bench.parse_case("r1=r1.5:8") == ("r1", "r1.5", 8.0)
+    assert bench.parse_case("r2=11") == ("r2", "11", None)
+    with pytest.raises(ValueError, match="--cases: 'r1=rx'"):
+        bench.parse_case("r1=rx")
+
+
 def test_packaged_penalties_are_what_the_results_give():
     bench = _benchmark()
     files = bench.penalty_files()
