@@ -178,13 +178,16 @@ def parse_case(spec: str) -> tuple[str, str, float | None]:
 def calibrate_step_s(args, runs: str, workers: int) -> float:
     """DiLoCo's compute seconds per inner step under the workers' CPU quota: 5 rounds on
     unshaped links (compute does not wait on the links; the quota holds it to what it gets in
-    the runs)."""
+    the runs), the first round left out: its first steps carry the process's warm-up, about
+    a second, which would read a run of 5 rounds 10% slow where a run of 20 hardly sees it."""
     cfg_path, sets = overrides(BASELINE, common_overrides(args, 0, runs))
     steps = 5 * args.H
     sets += [f"run.steps={steps}", f"run.eval_every={steps}", "run.name='calibrate'"]
     lab = {"rate_mbit": 0, "cpu_shares": [args.cpu_share] * workers,
            "cpu_period_us": round(args.cpu_period_ms * 1000)}  # fmt: skip
-    return curve(run_one(cfg_path, sets, lab, 600))["step_s_measured"]
+    run_dir = run_one(cfg_path, sets, lab, 600)
+    rounds = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "round"]
+    return sum(r["time/compute_s"] for r in rounds[1:]) / (rounds[-1]["step"] - rounds[0]["step"])
 
 
 def rate_for_r(r: float, step_s: float, H: int, M: int, S: int, allreduce_s) -> dict:
@@ -534,18 +537,25 @@ def _steps_run(run: dict) -> int:
 
 
 def links_table(record: dict) -> str:
+    """The links as probed, and DiLoCo's r they gave its runs; with a case at DiLoCo's r
+    (NAME=rX), the r asked and the step time it was set from."""
+    asked = any("target" in case for case in record["cases"].values())
+    extra = " DiLoCo's r asked (its step, s, before the runs) |" if asked else ""
     lines = [
-        "| case | links, Mbit/s | all-reduce of S, s | pair exchange of S, s | DiLoCo's r |",
-        "|---|---|---|---|---|",
+        "| case | links, Mbit/s | all-reduce of S, s | pair exchange of S, s | DiLoCo's r |"
+        + extra,
+        "|---|---|---|---|---|" + ("---|" if asked else ""),
     ]
     for name, case in record["cases"].items():
         p = case["probe"]
         rates = "/".join(f"{x:g}" for x in case["rates_mbit"])
         steps = [r["step_s_measured"] for r in case["runs"] if r["method"] == BASELINE]
         r = p["allreduce_s_measured"] / (record["H"] * statistics.mean(steps)) if steps else None
+        t = case.get("target")
+        target = (f" {t['r']:g} ({t['step_s_measured']:.3f}) |" if t else " - |") if asked else ""
         lines.append(
             f"| {name} | {rates} | {p['allreduce_s_measured']:.3f} | "
-            f"{p['pair_exchange_s_measured']:.3f} | {'-' if r is None else f'{r:.2f}'} |"
+            f"{p['pair_exchange_s_measured']:.3f} | {'-' if r is None else f'{r:.2f}'} |{target}"
         )
     return "\n".join(lines)
 
