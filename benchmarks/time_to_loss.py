@@ -14,10 +14,11 @@ depend on whether the others are blocked.
 
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
 RATE may be rX instead: the rate at which DiLoCo's r (its all-reduce of the model over one
-round of compute) is X on this host now. Before the cases DiLoCo runs 5 rounds on unshaped links
-under the same CPU quota for its step time, and a probe at the ring's nominal rate for that r
-scales it to the rate gloo gets; the host's speed drifts by up to a quarter between hours, so
-a rate fixed in Mbit/s puts r anywhere from 0.75 to 1 (the links table gives the r each run got).
+round of compute) is X on this host now. Before the cases DiLoCo runs 5 rounds under the same
+CPU quota for its step time, on unshaped links and then on the links that step gives (it
+computes faster when it waits), and a probe at the ring's nominal rate for that r scales it to
+the rate gloo gets. The host's speed drifts by up to a quarter between hours, so a rate fixed
+in Mbit/s puts r anywhere from 0.75 to 1 (the links table gives the r each run got).
 Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
 the standard-library corpus with the same grid as every method) with the shared overrides below
 (steps, H, data, seed, an evaluation every --eval-rounds rounds). Runs are interleaved (for each
@@ -175,19 +176,31 @@ def parse_case(spec: str) -> tuple[str, str, float | None]:
         ) from None
 
 
-def calibrate_step_s(args, runs: str, workers: int) -> float:
-    """DiLoCo's compute seconds per inner step under the workers' CPU quota: 5 rounds on
-    unshaped links (compute does not wait on the links; the quota holds it to what it gets in
-    the runs), the first round left out: its first steps carry the process's warm-up, about
-    a second, which would read a run of 5 rounds 10% slow where a run of 20 hardly sees it."""
+def calibrate_step_s(args, runs: str, workers: int, rate_mbit: float = 0) -> float:
+    """DiLoCo's compute seconds per inner step under the workers' CPU quota: 5 rounds on links
+    of `rate_mbit` (0: unshaped), the first round left out (the process's warm-up). Links
+    matter: on this host a worker computes about 10% faster when the workers wait on their
+    links half the time than when all four compute without a pause."""
     cfg_path, sets = overrides(BASELINE, common_overrides(args, 0, runs))
     steps = 5 * args.H
-    sets += [f"run.steps={steps}", f"run.eval_every={steps}", "run.name='calibrate'"]
-    lab = {"rate_mbit": 0, "cpu_shares": [args.cpu_share] * workers,
+    sets += [f"run.steps={steps}", f"run.eval_every={steps}", f"run.name='calibrate-{rate_mbit:g}'"]
+    lab = {"rate_mbit": rate_mbit, "cpu_shares": [args.cpu_share] * workers,
            "cpu_period_us": round(args.cpu_period_ms * 1000)}  # fmt: skip
     run_dir = run_one(cfg_path, sets, lab, 600)
     rounds = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "round"]
     return sum(r["time/compute_s"] for r in rounds[1:]) / (rounds[-1]["step"] - rounds[0]["step"])
+
+
+def rate_at_r(r: float, args, runs: str, M: int, S: int, unshaped_step_s: float) -> dict:
+    """A case's link rate for DiLoCo's r: set from its step time on unshaped links, then again
+    from its step time on those links (where it waits as it will in the runs)."""
+    measure = probed_allreduce_s(M, S, Path(runs))
+    first = rate_for_r(r, unshaped_step_s, args.H, M, S, measure)
+    step_s = calibrate_step_s(args, runs, M, first["rate_mbit"])
+    return rate_for_r(r, step_s, args.H, M, S, measure) | {
+        "unshaped_step_s_measured": unshaped_step_s,
+        "first_rate_mbit": first["rate_mbit"],
+    }
 
 
 def rate_for_r(r: float, step_s: float, H: int, M: int, S: int, allreduce_s) -> dict:
@@ -384,8 +397,7 @@ def main() -> int:
             if spec.startswith("r"):
                 if step_s is None:
                     step_s = calibrate_step_s(args, runs, M)
-                measure = probed_allreduce_s(M, S, Path(runs))
-                targets[name] = rate_for_r(float(spec[1:]), step_s, args.H, M, S, measure)
+                targets[name] = rate_at_r(float(spec[1:]), args, runs, M, S, step_s)
                 rate = targets[name]["rate_mbit"]
             else:
                 rate = float(spec)
