@@ -1602,6 +1602,10 @@ TABLES = {
     "time-to-loss-eager": _time_to_loss("time_to_loss_doc_eager.json", time_to_loss_table),
     "time-to-loss-eager-split": _time_to_loss("time_to_loss_doc_eager.json", time_split_table),
     "time-to-loss-eager-plan": _plan("time_to_loss_doc_eager.json"),
+    "time-to-loss-at-r-links": _time_to_loss("time_to_loss_at_r.json", links_table),
+    "time-to-loss-at-r": _time_to_loss("time_to_loss_at_r.json", time_to_loss_table),
+    "time-to-loss-at-r-split": _time_to_loss("time_to_loss_at_r.json", time_split_table),
+    "time-to-loss-at-r-plan": _plan("time_to_loss_at_r.json"),
     "time-to-loss-means-ab": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_means_at_round_end.json", "time_to_loss_means_when_in.json"),
@@ -1714,6 +1718,11 @@ TABLES = {
     ),
     "fgd-reduce-scatter-diloco-4x": Table(
         "docs/results/fgd.md", RS_DILOCO_4X_FILES, fgd_pair_ratios(RS_PAIRS[1:2], "4x")
+    ),
+    "fgd-globalm2-rs-4x": Table(
+        "docs/results/fgd.md",
+        ("fgd_globalm2_rs_4x.json", "fgd_globalm2_fp32_4x_seed0.json"),
+        fgd_pair_ratios((*RS_PAIRS[:1], ("GlobalM2-fp32-H5-d1", "diloco")), "4x"),
     ),
     "fgd-h5-rs-choice": Table(
         "docs/results/fgd.md", ("fgd_h5_rs_grid.json",), fgd_outer_choice("stdlib", RS_H5_GRID)
