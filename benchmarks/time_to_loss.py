@@ -15,9 +15,9 @@ depend on whether the others are blocked.
 A case is NAME=RATE (every link RATE Mbit/s) or NAME=RATE:SLOW (the last worker's link SLOW).
 RATE may be rX instead: the rate at which DiLoCo's r (its all-reduce of the model over one
 round of compute) is X on this host now. Before the cases DiLoCo runs 5 rounds under the same
-CPU quota for its step time, on unshaped links and then on the links that step gives (it
-computes faster when it waits), and a probe at the ring's nominal rate for that r scales it to
-the rate gloo gets. The host's speed drifts by up to a quarter between hours, so a rate fixed
+CPU quota for its step time, on unshaped links and then on the links that step gives (where
+it waits as in the runs), and a probe at the ring's nominal rate for that r scales it to the
+rate gloo gets. The host's speed drifts by up to a quarter between hours, so a rate fixed
 in Mbit/s puts r anywhere from 0.75 to 1 (the links table gives the r each run got).
 Each method is its example config as shipped (examples/<file>.toml: its own outer step, tuned on
 the standard-library corpus with the same grid as every method) with the shared overrides below
@@ -178,9 +178,8 @@ def parse_case(spec: str) -> tuple[str, str, float | None]:
 
 def calibrate_step_s(args, runs: str, workers: int, rate_mbit: float = 0) -> float:
     """DiLoCo's compute seconds per inner step under the workers' CPU quota: 5 rounds on links
-    of `rate_mbit` (0: unshaped), the first round left out (the process's warm-up). Links
-    matter: on this host a worker computes about 10% faster when the workers wait on their
-    links half the time than when all four compute without a pause."""
+    of `rate_mbit` (0: unshaped), the first round left out (the process's warm-up). Its 40
+    steps read the step within about 20% on a 2-core host (docs/results/time_to_loss.md)."""
     cfg_path, sets = overrides(BASELINE, common_overrides(args, 0, runs))
     steps = 5 * args.H
     sets += [f"run.steps={steps}", f"run.eval_every={steps}", f"run.name='calibrate-{rate_mbit:g}'"]
@@ -193,7 +192,8 @@ def calibrate_step_s(args, runs: str, workers: int, rate_mbit: float = 0) -> flo
 
 def rate_at_r(r: float, args, runs: str, M: int, S: int, unshaped_step_s: float) -> dict:
     """A case's link rate for DiLoCo's r: set from its step time on unshaped links, then again
-    from its step time on those links (where it waits as it will in the runs)."""
+    from its step time on those links, where it waits as it will in the runs (a worker that
+    waits may compute at another speed than four that never do)."""
     measure = probed_allreduce_s(M, S, Path(runs))
     first = rate_for_r(r, unshaped_step_s, args.H, M, S, measure)
     step_s = calibrate_step_s(args, runs, M, first["rate_mbit"])
