@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from frugaltrain.config import AUTO_METHODS, Config, ConfigError, build_config, to_dict, to_toml
+from frugaltrain.config import (
+    AUTO_METHODS,
+    Config,
+    ConfigError,
+    build_config,
+    load,
+    to_dict,
+    to_toml,
+)
 from frugaltrain.sim import SimSection, plan_cli, simulate
 from frugaltrain.sim import plan as planner
 from frugaltrain.sim.clock import clock
@@ -239,11 +247,11 @@ def test_a_method_measured_at_its_own_H_plans_at_that_fraction_of_outer_H(make_c
 
 
 def test_a_config_that_is_a_method_measured_at_a_fraction_of_H_plans_at_its_own_H(make_config):
-    # examples/default.toml's [outer] is diloco-e3m0-H5-rs at H = 5, measured against DiLoCo at
-    # 10: DiLoCo plans at 10 and the config's own method at the 5 it runs, not at 2 (half of 5).
-    flagship = load_penalties()["methods"]["diloco-e3m0-H5-rs"]
-    assert flagship["H_fraction"] == 0.5
-    own = [f"outer.{k}={v!r}" for k, v in flagship["outer"].items()]
+    # diloco-e3m0-H5-rs runs at H = 5, measured against DiLoCo at 10: DiLoCo plans at 10 and the
+    # config's own method at the 5 it runs, not at 2 (half of 5).
+    measured = load_penalties()["methods"]["diloco-e3m0-H5-rs"]
+    assert measured["H_fraction"] == 0.5
+    own = [f"outer.{k}={v!r}" for k, v in measured["outer"].items()]
     cfg = make_config(*TINY, *own, "outer.H=5", "run.steps=30")
     assert baseline_H(cfg) == 10
     links = links_given([2.0], cfg.run.workers)
@@ -254,6 +262,22 @@ def test_a_config_that_is_a_method_measured_at_a_fraction_of_H_plans_at_its_own_
     # One key of [outer] otherwise: not that method, so outer.H is DiLoCo's as for any config.
     other = make_config(*TINY, *own, "outer.H=5", "run.steps=30", "outer.momentum=0.5")
     assert baseline_H(other) == 5
+
+
+def test_the_default_job_plans_as_the_flagship_it_runs(make_config):
+    # examples/default.toml is GlobalM2-4bit-H5-d1-rs without the param_codec its measured runs
+    # carried: GlobalM2 sends no parameters, so that key does not make it another method.
+    cfg = load(Config, str(ROOT / "examples" / "default.toml"), [])
+    methods = load_penalties()["methods"]
+    assert methods["GlobalM2-4bit-H5-d1-rs"]["outer"]["param_codec"] != cfg.outer.param_codec
+    assert cfg.outer.H == 5 and baseline_H(cfg) == 10
+    # Where parameters are sent (GlobalM1LocalM2's Mix1), param_codec makes another method.
+    mix1 = method_config(
+        make_config(*TINY, "outer.H=5", "run.steps=30"),
+        methods["GlobalM1LocalM2-4bit-H5-d1"]["outer"],
+    )
+    assert baseline_H(mix1) == 10
+    assert baseline_H(method_config(mix1, {**to_dict(mix1)["outer"], "param_codec": "fp32"})) == 5
 
 
 def test_each_estimate_lies_between_its_fastest_and_slowest_seed(make_config):

@@ -75,7 +75,7 @@ def method_H(cfg: Config, entry: dict, baseline: int | None = None) -> int:
 def baseline_H(cfg: Config, methods: dict | None = None) -> int:
     """DiLoCo's outer.H in the plan: the config's, unless the config's [outer] table is a
     method measured at a fraction of DiLoCo's H; then its H over that fraction, so the method
-    plans at the H it runs (examples/default.toml: DiLoCo in e3m0 at H = 5, measured against
+    plans at the H it runs (examples/default.toml: GlobalM2 in e3m0 at H = 5, measured against
     DiLoCo at 10, plans DiLoCo at 10 and itself at 5)."""
     own = _outer_without_H(cfg)
     for entry in (methods or load_penalties()["methods"]).values():
@@ -92,8 +92,13 @@ def baseline_H(cfg: Config, methods: dict | None = None) -> int:
 
 
 def _outer_without_H(cfg: Config) -> dict:
+    """[outer] less H, and less param_codec where no parameters are sent (fgd without Mix1,
+    e.g. GlobalM2): a key the method does not read does not make it another method."""
     outer = to_dict(cfg)["outer"]
     outer.pop("H")
+    o = cfg.outer
+    if not (o.strategy == "noloco" or (o.strategy == "fgd" and o.fgd.mix1 != "none")):
+        outer.pop("param_codec")
     return outer
 
 
