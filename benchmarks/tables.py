@@ -54,6 +54,7 @@ from time_to_loss import (  # noqa: E402
     time_split_table,  # noqa: E402
 )
 from time_to_loss import analyze as time_to_loss_analyze  # noqa: E402
+from time_to_loss import diloco_r as time_to_loss_diloco_r  # noqa: E402
 from time_to_loss import fmt_ratios as time_to_loss_fmt_ratios  # noqa: E402
 from time_to_loss import penalties as time_to_loss_penalties  # noqa: E402
 from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
@@ -1355,29 +1356,41 @@ RS_PAIRS = (  # 4-bit averages as a reduce-scatter then an all-gather, against t
 )
 RS_DILOCO_FILES = ("fgd_reduce_scatter_diloco.json",)  # DiLoCo e3m0 H = 5 on the untuned corpora
 RS_DILOCO_4X_FILES = ("fgd_reduce_scatter_diloco_4x.json",)  # the same on the 4x model
-DEFAULT_JOB_GRID = tuple(  # the default job's outer steps on stdlib: its old one, then momentum 0
-    (f"{m}-lr0.35-m0.8", *(f"{m}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")))
-    for m in ("diloco", "streaming")
-)
+
+
+def _job_grid(method: str) -> tuple[tuple[str, ...], ...]:
+    """A method's outer steps tried on the default job's stdlib: the job's earlier one, then
+    momentum 0 at three lr."""
+    return ((f"{method}-lr0.35-m0.8", *(f"{method}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6"))),)
+
+
+DEFAULT_JOB_GRID = _job_grid("diloco") + _job_grid("streaming")
 DEFAULT_JOB_PAIRS = (("streaming-m0-lr1.0", "diloco-m0-lr1.0"),)  # the picks
 DEFAULT_JOB_FILES = tuple(
     f"default_job_{part}_{m}.json" for part in ("grid", "report") for m in ("diloco", "streaming")
 )
-FLAGSHIP_JOB = "diloco-e3m0-H5-rs"  # the default job now: DiLoCo at H = 5, 4 bits, reduce-scatter
-FLAGSHIP_JOB_GRID = (
-    (
-        f"{FLAGSHIP_JOB}-lr0.35-m0.8",
-        *(f"{FLAGSHIP_JOB}-m0-lr{lr}" for lr in ("1.0", "1.26", "1.6")),
-    ),
-)
-FLAGSHIP_JOB_PAIRS = ((f"{FLAGSHIP_JOB}-m0-lr1.0", "diloco-m0-lr1.0"),)  # the pick
-FLAGSHIP_JOB_FILES = (
+
+
+DILOCO_RS_JOB = "diloco-e3m0-H5-rs"  # the default job before: DiLoCo at H = 5, 4 bits, rs
+DILOCO_RS_JOB_PAIRS = ((f"{DILOCO_RS_JOB}-m0-lr1.0", "diloco-m0-lr1.0"),)  # the pick
+DILOCO_RS_JOB_FILES = (
     "default_job_grid_rs_a.json",  # DiLoCo at the job's H = 16, and the job's earlier step
     "default_job_grid_rs_b.json",
     "default_job_report_diloco.json",
     "default_job_report_rs_doc.json",
     "default_job_report_include_diloco.json",
     "default_job_report_rs_include.json",
+)
+FLAGSHIP_JOB = "GlobalM2-4bit-H5-d1-rs"  # the default job: DiLoCo's round a step early, rs
+FLAGSHIP_JOB_PAIRS = ((f"{FLAGSHIP_JOB}-m0-lr1.0", "diloco-m0-lr1.0"),)  # the pick
+FLAGSHIP_JOB_FILES = (
+    "default_job_grid_globalm2_a.json",
+    "default_job_grid_globalm2_b.json",
+    "default_job_grid_rs_a.json",  # DiLoCo at the job's H = 16 on stdlib
+    "default_job_report_diloco.json",
+    "default_job_report_globalm2_doc.json",
+    "default_job_report_include_diloco.json",
+    "default_job_report_globalm2_include.json",
 )
 E3M0_GRID = (("diloco", "diloco-e3m0-m0-lr1.0", "diloco-e3m0-m0-lr1.26", "diloco-e3m0-m0-lr1.6"),)
 E3M0_PAIRS = (("diloco-e3m0-m0-lr1.26", "diloco"),)  # the pick over DiLoCo at its own
@@ -1393,28 +1406,34 @@ README_LINKS = (  # (label, method, the files it was measured in)
     ("DiLoCo, 4-bit, H = 5", "diloco-e3m0-H5", ("time_to_loss_globalm2.json",)),
     ("FGD `GlobalM2` (DiLoCo's round), 4-bit, H = 5, Mix2 a step early", "GlobalM2-4bit-H5-d1",
      ("time_to_loss_globalm2.json",)),
-    ("The flagship: DiLoCo, 4-bit as a reduce-scatter, H = 5", "diloco-e3m0-H5-rs",
+    ("DiLoCo, 4-bit as a reduce-scatter, H = 5 (the flagship before)", "diloco-e3m0-H5-rs",
      ("time_to_loss_reduce_scatter.json",)),
     ("FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
      "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_reduce_scatter.json",)),
+    ("DiLoCo, 4-bit as a reduce-scatter, H = 5 (the flagship before)", "diloco-e3m0-H5-rs",
+     ("time_to_loss_at_r.json",)),
+    ("**The flagship**: FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
+     "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_at_r.json",)),
 )  # fmt: skip
 README_LINK_FILES = tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names))
 
 
 def readme_links(files: list[dict]) -> str:
-    """The README's summary: each method's time to DiLoCo's loss at r1 and r2, from the run
-    (results file) it was measured in."""
+    """The README's summary: each method's time to DiLoCo's loss where DiLoCo's r was about 1
+    and about 2, with the r its run measured, from the run (results file) it was measured in."""
     records = dict(zip(README_LINK_FILES, files, strict=True))
     lines = [
-        "| method | 22 Mbit/s, x DiLoCo | 11 Mbit/s, x DiLoCo | results file |",
+        "| method | where DiLoCo's r is about 1, x DiLoCo | where it is about 2, x DiLoCo "
+        "| results file |",
         "|---|---|---|---|",
     ]
     for label, method, names in README_LINKS:
         cells = {}
         for name in names:
             for a in time_to_loss_analyze(records[name]):
-                if a["method"] == method:
-                    cells.setdefault(a["case"], time_to_loss_fmt_ratios(a["ratios"]))
+                if a["method"] == method and a["case"] not in cells:
+                    r = time_to_loss_diloco_r(records[name], a["case"])
+                    cells[a["case"]] = f"{time_to_loss_fmt_ratios(a['ratios'])} at r {r:.2f}"
         where = ", ".join(f"`{n}`" for n in names)
         lines.append(f"| {label} | {cells.get('r1', '-')} | {cells.get('r2', '-')} | {where} |")
     return "\n".join(lines)
@@ -1721,7 +1740,11 @@ TABLES = {
     ),
     "fgd-globalm2-rs-4x": Table(
         "docs/results/fgd.md",
-        ("fgd_globalm2_rs_4x.json", "fgd_globalm2_fp32_4x_seed0.json"),
+        (
+            "fgd_globalm2_rs_4x.json",
+            "fgd_globalm2_rs_4x_doc.json",
+            "fgd_globalm2_fp32_4x_seed0.json",
+        ),
         fgd_pair_ratios((*RS_PAIRS[:1], ("GlobalM2-fp32-H5-d1", "diloco")), "4x"),
     ),
     "fgd-h5-rs-choice": Table(
@@ -1738,8 +1761,14 @@ TABLES = {
     "default-job-pairs": Table(
         "docs/models.md", DEFAULT_JOB_FILES, hf_pair_ratios(DEFAULT_JOB_PAIRS)
     ),
+    "diloco-rs-job-choice": Table(
+        "docs/models.md", DILOCO_RS_JOB_FILES[:2], hf_outer_choice(_job_grid(DILOCO_RS_JOB))
+    ),
+    "diloco-rs-job-pairs": Table(
+        "docs/models.md", DILOCO_RS_JOB_FILES, hf_pair_ratios(DILOCO_RS_JOB_PAIRS)
+    ),
     "flagship-job-choice": Table(
-        "docs/models.md", FLAGSHIP_JOB_FILES[:2], hf_outer_choice(FLAGSHIP_JOB_GRID)
+        "docs/models.md", FLAGSHIP_JOB_FILES[:2], hf_outer_choice(_job_grid(FLAGSHIP_JOB))
     ),
     "flagship-job-pairs": Table(
         "docs/models.md", FLAGSHIP_JOB_FILES, hf_pair_ratios(FLAGSHIP_JOB_PAIRS)

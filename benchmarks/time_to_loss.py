@@ -548,6 +548,16 @@ def _steps_run(run: dict) -> int:
     return run.get("steps_run") or run["step"][-1]
 
 
+def diloco_r(record: dict, case: str) -> float | None:
+    """DiLoCo's r in a case: the probed all-reduce over its H steps' measured compute (None
+    where DiLoCo did not run)."""
+    c = record["cases"][case]
+    steps = [r["step_s_measured"] for r in c["runs"] if r["method"] == BASELINE]
+    if not steps:
+        return None
+    return c["probe"]["allreduce_s_measured"] / (record["H"] * statistics.mean(steps))
+
+
 def links_table(record: dict) -> str:
     """The links as probed, and DiLoCo's r they gave its runs; with a case at DiLoCo's r
     (NAME=rX), the r asked and the step time it was set from."""
@@ -561,8 +571,7 @@ def links_table(record: dict) -> str:
     for name, case in record["cases"].items():
         p = case["probe"]
         rates = "/".join(f"{x:g}" for x in case["rates_mbit"])
-        steps = [r["step_s_measured"] for r in case["runs"] if r["method"] == BASELINE]
-        r = p["allreduce_s_measured"] / (record["H"] * statistics.mean(steps)) if steps else None
+        r = diloco_r(record, name)
         t = case.get("target")
         target = (f" {t['r']:g} ({t['step_s_measured']:.3f}) |" if t else " - |") if asked else ""
         lines.append(
