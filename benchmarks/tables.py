@@ -1414,6 +1414,8 @@ README_LINKS = (  # (label, method, the files it was measured in)
      ("time_to_loss_at_r.json",)),
     ("**The flagship**: FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
      "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_at_r.json",)),
+    ("The flagship, seeds 3, 4, 5", "GlobalM2-4bit-H5-d1-rs",
+     ("time_to_loss_at_r1_seeds345.json",)),
 )  # fmt: skip
 README_LINK_FILES = tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names))
 
@@ -1625,6 +1627,13 @@ TABLES = {
     "time-to-loss-at-r": _time_to_loss("time_to_loss_at_r.json", time_to_loss_table),
     "time-to-loss-at-r-split": _time_to_loss("time_to_loss_at_r.json", time_split_table),
     "time-to-loss-at-r-plan": _plan("time_to_loss_at_r.json"),
+    "time-to-loss-at-r1-more-links": _time_to_loss("time_to_loss_at_r1_seeds345.json", links_table),
+    "time-to-loss-at-r1-more": _time_to_loss(
+        "time_to_loss_at_r1_seeds345.json", time_to_loss_table
+    ),
+    "time-to-loss-at-r1-more-split": _time_to_loss(
+        "time_to_loss_at_r1_seeds345.json", time_split_table
+    ),
     "time-to-loss-means-ab": Table(
         "docs/results/time_to_loss.md",
         ("time_to_loss_means_at_round_end.json", "time_to_loss_means_when_in.json"),
