@@ -1,6 +1,7 @@
 """A worker whose launcher is killed (SIGKILL: no chance to stop its workers) exits by itself
 instead of beating its heartbeat and retrying the rendezvous for ever
-(train/supervisor.py's exit_with_parent)."""
+(train/processes.py's exit_with_launcher). It is started as launchers start theirs, forked
+from the fork server, which is its parent and lives on while it does."""
 
 from __future__ import annotations
 
@@ -12,22 +13,20 @@ import time
 from pathlib import Path
 
 LAUNCHER = """
-import multiprocessing as mp
 import sys
 import time
 
-from frugaltrain.train.supervisor import exit_with_parent
+from frugaltrain.train.processes import exit_with_launcher, start
 
 
 def worker(flag):
-    exit_with_parent(poll_s=0.05)
+    exit_with_launcher()
     open(flag, "w").write("up")
     time.sleep(600)
 
 
 if __name__ == "__main__":
-    p = mp.get_context("spawn").Process(target=worker, args=(sys.argv[1],))
-    p.start()
+    p = start(worker, (sys.argv[1],))
     print(p.pid, flush=True)
     time.sleep(600)
 """

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing as mp
 import os
 import socket
 import sys
 import time
 import uuid
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import tomllib
@@ -50,7 +50,7 @@ from frugaltrain.config import (
     to_toml,
 )
 from frugaltrain.metrics.log import keep_until_step
-from frugaltrain.train import checkpoint, run_store, supervisor
+from frugaltrain.train import checkpoint, processes, run_store, supervisor
 from frugaltrain.train.coordinator import LEASE_S, PING_S
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
@@ -208,8 +208,7 @@ class Agent:
                     flush=True,
                 )
                 try:
-                    with supervisor.environment(supervisor.worker_env(self.cfg)):
-                        self._supervise(resume)
+                    self._supervise(resume)
                     return 0
                 except GoOnFrom as e:
                     resume = self._take(e.msg)
@@ -267,20 +266,19 @@ class Agent:
         store = dist.TCPStore("127.0.0.1", self.tunnel.port, is_master=False, timeout=timeout)
         ft_store = run_store.group0_store(store, cfg)
         ranks = [slot * S + s for slot in self.slots for s in range(S)]
-        ctx = mp.get_context("spawn")
         args = (to_toml(cfg), str(self.run_dir), "127.0.0.1", self.tunnel.port)
-        procs: dict[int, mp.Process] = {}
+        env = supervisor.worker_env(cfg)
+        procs: dict[int, BaseProcess] = {}
         restarts = dict.fromkeys(self.slots, 0)
         finished: set[int] = set()
 
         def start(rank: int, ckpt: Path | None = None) -> None:
-            local = {"LOCAL_RANK": str(ranks.index(rank))}
             at = str(ckpt) if ckpt else None
-            with supervisor.environment(local):
-                procs[rank] = ctx.Process(
-                    target=supervisor.worker_process, args=(rank, *args, at, tuple(self.slots))
-                )
-                procs[rank].start()
+            procs[rank] = processes.start(
+                supervisor.worker_process,
+                (rank, *args, at, tuple(self.slots)),
+                {**env, "LOCAL_RANK": str(ranks.index(rank))},
+            )
 
         try:
             for rank in ranks:
@@ -313,7 +311,7 @@ class Agent:
                     p.kill()
                 p.join()
 
-    def _let_workers_stop(self, procs: dict[int, mp.Process]) -> None:
+    def _let_workers_stop(self, procs: dict[int, BaseProcess]) -> None:
         """The coordinator stayed away: the tunnel no longer holds, so each worker finishes
         the round in hand on gloo alone, checkpoints it and exits. Wait for that, at most
         run.timeout_s (its gloo deadline); the caller kills any still running."""

@@ -1,9 +1,9 @@
 """Run N workers as local processes and watch them until the run ends.
 
-The supervisor hosts the run's TCPStore on a free port (so it outlives any worker) and spawns one
-process per worker, or with run.shards = S a replica of S processes per worker (ranks
-replica * S + shard; train/sharding.py). Each process builds its communication runtime and runs
-the worker loop:
+The supervisor hosts the run's TCPStore on a free port (so it outlives any worker) and starts one
+process per worker (train/processes.py), or with run.shards = S a replica of S processes per
+worker (ranks replica * S + shard; train/sharding.py). Each process builds its communication
+runtime and runs the worker loop:
 
     plain              TorchDistComm over a gloo (or NCCL) group on that store (with shards, over
                        its shard group, FSDP2 over its replica group). A process that fails stops
@@ -21,15 +21,12 @@ Ctrl-C stops every process it started.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing as mp
 import os
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import tomllib
@@ -42,6 +39,7 @@ from frugaltrain.comm.guard import guard_of
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.step import worker_threads
+from frugaltrain.train import processes
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
 from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
@@ -58,22 +56,6 @@ def worker_env(cfg: Config) -> dict[str, str]:
     if cfg.run.shards > 1 and cfg.run.device == "cpu":
         return {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)}
     return {}
-
-
-@contextlib.contextmanager
-def environment(extra: dict[str, str]) -> Iterator[None]:
-    """os.environ with `extra` while the block runs (spawned processes inherit it), then as
-    before."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def backend(cfg: Config) -> str:
@@ -94,31 +76,29 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
         host, 0, W * S, is_master=True, wait_for_workers=False, timeout=_store_timeout(cfg)
     )
     ft_store = group0_store(store, cfg)
-    ctx = mp.get_context("spawn")
     args = (to_toml(cfg), str(run_dir), host, store.port, str(resume_from) if resume_from else None)
-    procs: dict[int, mp.Process] = {}
+    env = worker_env(cfg)
+    procs: dict[int, BaseProcess] = {}
     restarts = dict.fromkeys(range(W), 0)
     finished: set[int] = set()
 
     def start(rank: int) -> None:
-        procs[rank] = ctx.Process(target=worker_process, args=(rank, *args), daemon=False)
-        procs[rank].start()
+        procs[rank] = processes.start(worker_process, (rank, *args), env)
 
-    with environment(worker_env(cfg)):  # spawned workers, restarted ones too, inherit it
-        try:
-            for rank in range(W * S):
-                start(rank)
-            while len(finished) < W * S:
-                time.sleep(0.1)
-                failed = exited(procs, finished, ft_store, cfg, run_dir)
-                restart_failed(failed, procs, start, restarts, cfg, run_dir, store)
-                if cfg.fault_tolerance.enabled:
-                    _stop_stragglers_at_the_end(procs, finished, store, cfg)
-        finally:
-            for p in procs.values():
-                if p.is_alive():
-                    p.kill()
-                p.join()
+    try:
+        for rank in range(W * S):
+            start(rank)
+        while len(finished) < W * S:
+            time.sleep(0.1)
+            failed = exited(procs, finished, ft_store, cfg, run_dir)
+            restart_failed(failed, procs, start, restarts, cfg, run_dir, store)
+            if cfg.fault_tolerance.enabled:
+                _stop_stragglers_at_the_end(procs, finished, store, cfg)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join()
     return restarts
 
 
@@ -207,7 +187,7 @@ def _stop_stragglers_at_the_end(procs, finished, store, cfg: Config) -> None:
             finished.add(rank)
 
 
-def _join_for(procs: dict[int, mp.Process], finished: set[int], seconds: float) -> None:
+def _join_for(procs: dict[int, BaseProcess], finished: set[int], seconds: float) -> None:
     """Give the workers that are not done `seconds` to exit on their own."""
     t0 = time.monotonic()
     for rank, p in procs.items():
@@ -227,21 +207,6 @@ def _final_members(store: dist.Store, done: set[int]) -> set[int] | None:
     return None
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this process once the process that started it (the launcher, or a machine's agent)
-    is gone, killed without stopping its workers: an orphaned worker would go on beating its
-    heartbeat and retrying the rendezvous for a slot its machine no longer holds."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        print(f"[worker] its launcher (pid {parent}) is gone; exiting", flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
 def worker_process(
     rank: int,
     cfg_toml: str,
@@ -252,7 +217,7 @@ def worker_process(
     local: tuple[int, ...] | None = None,
 ):
     """Entry of one worker process (a first start or, with fault tolerance, a restart)."""
-    exit_with_parent()
+    processes.exit_with_launcher()
     cfg = build_config(Config, tomllib.loads(cfg_toml))
     torch.set_num_threads(worker_threads(cfg))
     store = dist.TCPStore(host, port, is_master=False, timeout=_store_timeout(cfg))
