@@ -81,10 +81,7 @@ def main() -> None:
     record = provenance.start("measured")
     record |= {"numel": args.numel, "reps": args.reps, "threads": 1}
     record["seconds"] = measure(args.numel, args.reps)
-    provenance.finish(record)
-    provenance.save(record, args.out)
-    print(table(record))
-    print(f"wrote {args.out}")
+    provenance.report(record, args.out, table)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,14 @@ def save(record: dict, out: str | Path) -> None:
     Path(out).write_text(json.dumps(record, indent=1) + "\n")
 
 
+def report(record: dict, out: str | Path, table) -> None:
+    """Finish the record, write it to `out` and print its table (`table(record)`)."""
+    finish(record)
+    save(record, out)
+    print(table(record))
+    print(f"wrote {out}")
+
+
 def outer_table(config: str | Path, sets: list[str]) -> dict:
     """The [outer] table a run of `config` with overrides `sets` gets: what a variant's outer
     step was, even after its example changes. H only where `sets` give it (a variant at its own

@@ -59,6 +59,7 @@ from time_to_loss import fmt_ratios as time_to_loss_fmt_ratios  # noqa: E402
 from time_to_loss import penalties as time_to_loss_penalties  # noqa: E402
 from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
 from time_to_loss import table as time_to_loss_table  # noqa: E402
+from worker_start import table as worker_start_table  # noqa: E402
 
 TINY = flow_tables.TINY_FILES  # the tiny parts' flow runs, in docs/flow.md's order
 
@@ -1732,6 +1733,9 @@ TABLES = {
     ),
     "codec-speed": Table(
         "docs/results/compression.md", ("codec_speed.json",), lambda f: codec_speed_table(f[0])
+    ),
+    "worker-start": Table(
+        "docs/fault_tolerance.md", ("worker_start.json",), lambda f: worker_start_table(f[0])
     ),
     "fgd-globalm2-4x": Table(
         "docs/results/fgd.md",
