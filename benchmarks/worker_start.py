@@ -1,6 +1,6 @@
 """How long a launcher takes to have its workers ready to train, and a restarted one: each
 process spawned (it imports torch itself) against each forked from the fork server that imported
-torch once (train/processes.py, what the launcher and a machine's agent use).
+torch once (processes.py, what the launcher and a machine's agent use).
 
 A worker is ready once it has imported what a worker imports and built an optimizer (which
 imports torch._dynamo). Each repetition is a fresh launcher process (so the fork server starts
@@ -48,11 +48,12 @@ def _server_cpu() -> float:
 def launch(way: str, workers: int, tmp: Path) -> dict:
     """In a fresh launcher: start `workers` processes the `way` given, then one more once all
     are ready (a restart)."""
-    from frugaltrain.train import processes
+    from frugaltrain import processes
+    from frugaltrain.train import supervisor
 
     def start(name: str):
         if way == "forkserver":
-            return processes.start(ready, (str(tmp / name),))
+            return processes.start(ready, (str(tmp / name),), supervisor.PRELOAD)
         p = mp.get_context("spawn").Process(target=ready, args=(str(tmp / name),))
         p.start()
         return p

@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "frugaltrain"
 # one level are independent of each other.
 LEVEL = {
     "faults": 0,  # the grammar of fault_tolerance.inject, which the config checks
+    "processes": 0,  # worker processes forked from one import of torch (train/ and flow/)
     "config": 1,
     "data": 2,
     "models": 2,

@@ -1,4 +1,4 @@
-"""Workers forked from the fork server (train/processes.py): each gets its launcher's
+"""Workers forked from the fork server (processes.py): each gets its launcher's
 environment as it is when the worker starts, with what the launcher adds, and glibc's mmap
 threshold set as MALLOC_MMAP_THRESHOLD_ asks, though glibc read the variable only when the fork
 server started."""
@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from frugaltrain.train import processes
+from frugaltrain import processes
+from frugaltrain.train.supervisor import PRELOAD
 
 MB = 1 << 20
 
@@ -50,7 +51,7 @@ def _report(path: str) -> None:
 
 def _run(tmp_path, name: str, env: dict[str, str] | None = None) -> dict:
     out = tmp_path / f"{name}.json"
-    process = processes.start(_report, (str(out),), env)
+    process = processes.start(_report, (str(out),), PRELOAD, env)
     process.join(60)
     assert process.exitcode == 0, process.exitcode
     return json.loads(out.read_text())

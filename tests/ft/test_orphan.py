@@ -1,6 +1,6 @@
 """A worker whose launcher is killed (SIGKILL: no chance to stop its workers) exits by itself
 instead of beating its heartbeat and retrying the rendezvous for ever
-(train/processes.py's exit_with_launcher). It is started as launchers start theirs, forked
+(processes.py's exit_with_launcher). It is started as launchers start theirs, forked
 from the fork server, which is its parent and lives on while it does."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ LAUNCHER = """
 import sys
 import time
 
-from frugaltrain.train.processes import exit_with_launcher, start
+from frugaltrain.processes import exit_with_launcher, start
 
 
 def worker(flag):
@@ -26,7 +26,7 @@ def worker(flag):
 
 
 if __name__ == "__main__":
-    p = start(worker, (sys.argv[1],))
+    p = start(worker, (sys.argv[1],), ["frugaltrain.train.supervisor"])
     print(p.pid, flush=True)
     time.sleep(600)
 """

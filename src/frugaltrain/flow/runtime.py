@@ -33,7 +33,6 @@ import pickle
 import queue
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from frugaltrain import processes
 from frugaltrain.config import ConfigError
 from frugaltrain.flow.config import FlowConfig
 from frugaltrain.flow.data import build_dataset
@@ -53,6 +53,15 @@ from frugaltrain.flow.packing import BatchPlan, plan_batch
 from frugaltrain.flow.pool import DistPool, ShmPool
 from frugaltrain.flow.samples import CaptionSet
 from frugaltrain.flow.trace import Tracer
+
+# What the fork server imports once for the workers (processes.py).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "frugaltrain.flow.runtime"]
+# A worker that left no log died before its entry ran: in the launching script, which every
+# worker imports again before its entry runs.
+BEFORE_ENTRY = (
+    "it died before its entry ran, importing the launching script again, whose error is on the "
+    'launcher\'s stderr; a script that starts a run needs an `if __name__ == "__main__":` guard'
+)
 
 
 class FlowWorkerError(RuntimeError):
@@ -431,11 +440,13 @@ def _role(cfg: FlowConfig, rank: int) -> str:
     return f"producer{rank}" if rank < P else f"consumer{rank - P}"
 
 
-def _entry(rank: int, payload: bytes, port: int, pool, result_q) -> None:
-    """A worker process's entry. The run (config, plans, fault hook) arrives pickled and is
+def _entry(rank: int, payload: bytes, port: int, pool, result_q, log: str) -> None:
+    """A worker process's entry. Its stderr is `log` from here on, and a crash in native code
+    leaves the Python stack there. The run (config, plans, fault hook) arrives pickled and is
     unpickled here, so a failure to rebuild it in the child reaches the launcher with its
-    traceback like any other error. stderr is the worker's log (see `_start`), and a crash in
-    native code leaves the Python stack there."""
+    traceback like any other error."""
+    with open(log, "wb") as f:
+        os.dup2(f.fileno(), 2)
     faulthandler.enable()
     try:
         cfg, plans, fault = pickle.loads(payload)
@@ -524,7 +535,6 @@ def run(
     injects one (tests).
     """
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     _check_device(cfg)
     plans = plans if plans is not None else make_plans(cfg, build_dataset(cfg))
@@ -532,8 +542,7 @@ def run(
         return run_monolithic(cfg, plans)
     if cfg.run.mode != "monolithic_dp":
         _check_slots(cfg, plans)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local-only launcher: stay on loopback
-    ctx = mp.get_context("spawn")
+    ctx = processes.context(PRELOAD)
     timeout = timedelta(seconds=cfg.run.timeout_s)
     # the workers rendezvous here; it must outlive them, so it stays referenced until we return
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -541,14 +550,16 @@ def run(
     pool = ShmPool(**_pool_shape(cfg), device=cfg.run.device, ctx=ctx) if pooled else None
     result_q = ctx.Queue()
     payload = pickle.dumps((cfg, plans, fault))
-    procs = [
-        ctx.Process(target=_entry, args=(r, payload, store.port, pool, result_q))
-        for r in range(cfg.run.producers + cfg.run.consumers)
-    ]
+    # local-only launcher: the workers' gloo stays on loopback
+    env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     logs = Path(tempfile.mkdtemp(prefix="frugaltrain-flow-"))
+    procs: list = []
     finished = False
     try:
-        _start(procs, logs)
+        for r in range(cfg.run.producers + cfg.run.consumers):
+            log = str(logs / f"worker{r}.log")
+            args = (r, payload, store.port, pool, result_q, log)
+            procs.append(processes.start(_entry, args, PRELOAD, env))
         results = _collect(procs, result_q, time.monotonic() + cfg.run.timeout_s * 2 + 60, logs)
         for pr in procs:
             pr.join(timeout=cfg.run.timeout_s)
@@ -561,22 +572,6 @@ def run(
         leaked = int((pool.states() != 0).sum())
         assert leaked == 0, f"{leaked} pool slots not FREE at shutdown"
     return _run_result(results, cfg)
-
-
-def _start(procs: list, logs: Path) -> None:
-    """Start each worker with its stderr (fd 2) on logs/workerN.log from its first instruction,
-    so what a child prints before any of our code runs (say, a script without an
-    `if __name__ == "__main__":` guard re-run by spawn) is kept for the error report."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        for r, pr in enumerate(procs):
-            with open(logs / f"worker{r}.log", "wb") as log:
-                os.dup2(log.fileno(), 2)  # the spawned child inherits fd 2 as it is now
-                pr.start()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _check_device(cfg: FlowConfig) -> None:
@@ -627,9 +622,9 @@ def _death_report(procs: list, dead: list[int], logs: Path, tail: int = 40) -> s
         code = procs[r].exitcode
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         log = logs / f"worker{r}.log"
-        text = log.read_text(errors="replace").strip().splitlines()[-tail:]
+        text = log.read_text(errors="replace").strip().splitlines()[-tail:] if log.exists() else []
         lines.append(f"worker {r} died ({how}); the end of {log}:")
-        lines += ["  " + t for t in text] or ["  (nothing)"]
+        lines += ["  " + t for t in text] or [f"  (nothing: {BEFORE_ENTRY})"]
     return "\n".join(lines)
 
 

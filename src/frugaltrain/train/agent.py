@@ -38,6 +38,7 @@ from pathlib import Path
 import tomllib
 import torch.distributed as dist
 
+from frugaltrain import processes
 from frugaltrain.comm.auth import Channel, Refused, connect, read_token
 from frugaltrain.comm.gateway import StoreTunnel
 from frugaltrain.config import (
@@ -50,7 +51,7 @@ from frugaltrain.config import (
     to_toml,
 )
 from frugaltrain.metrics.log import keep_until_step
-from frugaltrain.train import checkpoint, processes, run_store, supervisor
+from frugaltrain.train import checkpoint, run_store, supervisor
 from frugaltrain.train.coordinator import LEASE_S, PING_S
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
@@ -277,6 +278,7 @@ class Agent:
             procs[rank] = processes.start(
                 supervisor.worker_process,
                 (rank, *args, at, tuple(self.slots)),
+                supervisor.PRELOAD,
                 {**env, "LOCAL_RANK": str(ranks.index(rank))},
             )
 

@@ -1,7 +1,7 @@
 """Run N workers as local processes and watch them until the run ends.
 
 The supervisor hosts the run's TCPStore on a free port (so it outlives any worker) and starts one
-process per worker (train/processes.py), or with run.shards = S a replica of S processes per
+process per worker (processes.py), or with run.shards = S a replica of S processes per
 worker (ranks replica * S + shard; train/sharding.py). Each process builds its communication
 runtime and runs the worker loop:
 
@@ -33,18 +33,21 @@ import tomllib
 import torch
 import torch.distributed as dist
 
+from frugaltrain import processes
 from frugaltrain.comm.faults import FaultyRuntime
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.step import worker_threads
-from frugaltrain.train import processes
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
 from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
 from frugaltrain.train.sharding import build_layout, shards_of
 
+# What the fork server imports once for the workers (processes.py): torch, and everything a worker
+# imports to train (torch._dynamo with its first optimizer).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "frugaltrain.train.supervisor"]
 MMAP_THRESHOLD = "131072"  # bytes: glibc returns every freed block this large to the system
 
 
@@ -83,7 +86,7 @@ def run_local(cfg: Config, run_dir: Path, resume_from: Path | None = None, host:
     finished: set[int] = set()
 
     def start(rank: int) -> None:
-        procs[rank] = processes.start(worker_process, (rank, *args), env)
+        procs[rank] = processes.start(worker_process, (rank, *args), PRELOAD, env)
 
     try:
         for rank in range(W * S):
