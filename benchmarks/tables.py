@@ -1416,7 +1416,7 @@ README_LINKS = (  # (label, method, the files it was measured in)
     ("**The flagship**: FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
      "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_at_r.json",)),
     ("The flagship, seeds 3, 4, 5", "GlobalM2-4bit-H5-d1-rs",
-     ("time_to_loss_at_r1_seeds345.json",)),
+     ("time_to_loss_at_r1_seeds345.json", "time_to_loss_at_r2_seeds345.json")),
 )  # fmt: skip
 README_LINK_FILES = tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names))
 
@@ -1634,6 +1634,13 @@ TABLES = {
     ),
     "time-to-loss-at-r1-more-split": _time_to_loss(
         "time_to_loss_at_r1_seeds345.json", time_split_table
+    ),
+    "time-to-loss-at-r2-more-links": _time_to_loss("time_to_loss_at_r2_seeds345.json", links_table),
+    "time-to-loss-at-r2-more": _time_to_loss(
+        "time_to_loss_at_r2_seeds345.json", time_to_loss_table
+    ),
+    "time-to-loss-at-r2-more-split": _time_to_loss(
+        "time_to_loss_at_r2_seeds345.json", time_split_table
     ),
     "time-to-loss-means-ab": Table(
         "docs/results/time_to_loss.md",
