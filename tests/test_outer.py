@@ -288,6 +288,13 @@ def _cases(factory, root: Path) -> list[tuple]:
         part = job(f"{name}-part", *gossip, *late, "run.stop_at_round=2")
         ckpt = str(Path(part[2]) / "checkpoints" / "round_000002")
         jobs += [whole, part, (f"{name}-resumed", part[1], part[2], ckpt)]
+    coded = ("outer.codec='e3m0'", "outer.coded_average='reduce_scatter'", "run.checkpoint_every=1")
+    early = ("outer.diloco.overlap=1", *coded)
+    part = job("diloco-early-part", *early, "run.stop_at_round=2")
+    ckpt = str(Path(part[2]) / "checkpoints" / "round_000002")
+    jobs += [job("diloco-early", *early), part, ("diloco-early-resumed", *part[1:3], ckpt)]
+    globalm2 = ("outer.strategy='fgd'", "outer.fgd.preset='GlobalM2'", "outer.fgd.mix2_delay=1")
+    jobs += [job("fgd-globalm2-early", *globalm2, *coded)]
     m1 = ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'")
     delta = (*m1, "outer.fgd.mix1_delta=true")
     jobs += [job("fgd-m1", *m1), job("fgd-m1-delta", *delta)]
@@ -326,6 +333,23 @@ def test_fgd_globalm2_is_diloco_to_the_bit_and_the_byte(gloo_runs):
     for rank in range(WORLD):
         _assert_same(gloo_runs[rank]["diloco"][0], gloo_runs[rank]["fgd-globalm2"][0])
         assert gloo_runs[rank]["fgd-globalm2"][1] == gloo_runs[rank]["diloco"][1]
+
+
+def test_diloco_sent_a_step_early_is_fgd_globalm2_delayed_to_the_bit_and_the_byte(gloo_runs):
+    # The default job's method: DiLoCo's round in 4 bits as a reduce-scatter, sent one step
+    # before the round's end, as FGD's GlobalM2 with its Mix2 delayed by one step.
+    for rank in range(WORLD):
+        diloco, fgd = gloo_runs[rank]["diloco-early"], gloo_runs[rank]["fgd-globalm2-early"]
+        _assert_same(diloco[0], fgd[0])
+        assert diloco[1] == fgd[1]
+    early, blocking = gloo_runs[0]["diloco-early"][0], gloo_runs[0]["diloco"][0]
+    assert not all(torch.equal(u, v) for u, v in zip(early, blocking, strict=True))
+
+
+def test_diloco_sent_early_resumes_exactly(gloo_runs):
+    # Nothing is in flight at a round's end: the step it keeps lives in the model's parameters.
+    for rank in range(WORLD):
+        _assert_same(gloo_runs[rank]["diloco-early"][0], gloo_runs[rank]["diloco-early-resumed"][0])
 
 
 def test_noloco_one_group_no_pull_equals_heavy_ball_diloco(gloo_runs):

@@ -43,6 +43,13 @@ BASE = (
 CASES = {
     "ddp": {"strategy": "ddp"},
     "diloco": {"strategy": "diloco"},
+    # The default job's method: 4 bits as a reduce-scatter, sent a step before the round's end.
+    "diloco-overlap": {
+        "strategy": "diloco",
+        "codec": "e3m0",
+        "coded_average": "reduce_scatter",
+        "overlap": 1,
+    },  # fmt: skip
     "fgd": {"strategy": "fgd", "preset": "GlobalM1LocalM2"},  # gossip: Mix2 over random pairs
     "noloco": {"strategy": "noloco", "momentum": 0.5},
     "streaming": {"strategy": "streaming", "fragments": 2, "overlap": 1},

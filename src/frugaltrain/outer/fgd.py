@@ -32,12 +32,9 @@ At w = 1/M with a complete Mix2 this is DiLoCo's eager update (Kale et al., arXi
 A smaller w keeps the workers closer together (each one's own noise enters scaled by w) at the
 price of a staler mean, which steps with w of this round's mean and 1 - w of the last.
 
-mix2_delay tau sends Mix2 tau inner steps before the round's end instead of at it, as Streaming
-DiLoCo sends a fragment tau steps before it lands: Delta_i is taken there, the worker takes its
-last tau steps while Mix2 is on the wire, and at the round's end steps with the mix as above.
-Where Streaming replaces theta_i by the new x_i and so discards those tau steps, here the worker
-keeps them: theta_i <- x_i + (theta_i - theta_i at the send), and they count in the next round's
-Delta_i. Only those tau steps are stale (taken from the old trajectory), never a round's mix.
+mix2_delay tau sends Mix2 tau inner steps before the round's end instead of at it (the shared
+round's overlap, outer/round.py): Delta_i is taken there, the worker takes its last tau steps
+while Mix2 is on the wire and keeps them, and at the round's end steps with the mix.
 
 mix1_delta codes Mix1 as DiLoCo codes its outer gradient. With a complete Mix1 every worker
 ends a Mix1 holding the same mean a, so it sends x_i - a (its last outer update, small, like a
@@ -62,7 +59,7 @@ from frugaltrain.comm import Comm, Handle
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.topology import mixing_matrix
 from frugaltrain.models.parts import select
-from frugaltrain.outer.round import OuterRound, copy_all_, dense_or_fp32
+from frugaltrain.outer.round import EarlyExchange, OuterRound, copy_all_, dense_or_fp32
 
 
 class FactoredGossipDiLoCo(OuterRound):
@@ -115,9 +112,7 @@ class FactoredGossipDiLoCo(OuterRound):
         self.mix2_overlap = mix2_overlap
         self.own = mix2_overlap_own
         self.last_step = last_step
-        self.mix2_delay = mix2_delay if self.in_mix2 else 0
-        # A delayed Mix2 in flight: (handle, the mixed buffers, theta of its tensors at the send).
-        self._early: tuple[Handle, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.overlap = mix2_delay if self.in_mix2 else 0  # a delayed Mix2 (outer/round.py)
         # Mix2 in flight (handle, what was sent, the buffer it mixes into), then its correction.
         self._late: tuple[Handle, list[torch.Tensor], list[torch.Tensor]] | None = None
         self._correction: list[torch.Tensor] | None = None
@@ -159,21 +154,6 @@ class FactoredGossipDiLoCo(OuterRound):
             return self.feedbacks.setdefault(op, ErrorFeedback()) if self.mix1_delta else None
         return super().feedback(op)
 
-    @torch.no_grad()
-    def after_step(self, step: int) -> bool:
-        """The shared round; with mix2_delay, Mix2 is sent tau steps before the round's end
-        and the chosen tensors keep those tau steps on top of the new x_i."""
-        if self.mix2_delay and step % self.H == self.H - self.mix2_delay:
-            self._send_mix2_early()
-        kept = []  # (tensor index, its steps since the send), to add back after the step
-        if self._early is not None and step % self.H == 0:
-            sent = zip(self._idx(), self._early[2], strict=True)
-            kept = [(k, self.params[k] - theta) for k, theta in sent]
-        ended = super().after_step(step)
-        for k, steps in kept:
-            self.params[k].add_(steps)
-        return ended
-
     def _w2(self) -> np.ndarray:
         """This round's Mix2 matrix (seeded apart from Mix1's)."""
         return mixing_matrix(self.mix2, len(self.comm.members), self.round, self.seed + 1)
@@ -182,7 +162,11 @@ class FactoredGossipDiLoCo(OuterRound):
         """The indices of the tensors Mix2 covers."""
         return [k for k, keep in enumerate(self.in_mix2) if keep]
 
-    def _send_mix2_early(self) -> None:
+    def early_indices(self) -> list[int]:
+        return self._idx()
+
+    def send_early(self) -> EarlyExchange:
+        """Mix2 of the chosen pseudo-gradients (and momenta, with mix2_momentum), posted."""
         idx = self._idx()
         mixed = [self.outer[k] - self.params[k] for k in idx]
         if self.mix2_momentum and self.momenta() is not None:
@@ -191,20 +175,16 @@ class FactoredGossipDiLoCo(OuterRound):
         handle = self.comm.mix_(
             mixed, w2, codec=self.codec, feedback=self.feedback("mix2"), blocking=False, op="mix2"
         )
-        self._early = (handle, mixed, [self.params[k].detach().clone() for k in idx])
+        return self.early_exchange(mixed, handle)
 
     def _land_mix2(self, deltas: list[torch.Tensor]) -> None:
         """The delayed Mix2 replaces the chosen pseudo-gradients (and momenta, with
         mix2_momentum); the tensors it left out keep the whole round's Delta_i."""
-        handle, mixed, _ = self._early
-        handle.wait()
-        self._early = None
-        idx = self._idx()
-        for k, g in zip(idx, mixed, strict=False):
-            deltas[k].copy_(g)
-        if len(mixed) > len(idx):
+        early = self._early
+        early.land(deltas)
+        if len(early.sent) > len(early.indices):
             momenta = self.momenta()
-            for k, g in zip(idx, mixed[len(idx) :], strict=True):
+            for k, g in zip(early.indices, early.sent[len(early.indices) :], strict=True):
                 momenta[k].copy_(g)
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:

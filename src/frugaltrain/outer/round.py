@@ -10,6 +10,13 @@ Per round, on every worker i, with outer parameters x_i and inner parameters the
                                   (outer/sgd.py)
     theta_i <- x_i                the next round starts from the result
 
+A strategy may send its exchange tau = `overlap` inner steps before the round's end
+(`send_early`), on the pseudo-gradient of the steps so far, and take the last tau steps while it
+is on the wire, as Streaming DiLoCo sends a fragment tau steps before it lands. At the round's
+end it steps with what arrived, and where Streaming discards those tau steps (theta_i <- x_i),
+here the worker keeps them: theta_i <- x_i + (theta_i - theta_i at the send), so they count in
+the next round's Delta_i. Only those tau steps are stale, never a round's average.
+
 A strategy file holds only what makes it different: its exchange, its momentum policy, and (for
 Streaming DiLoCo) its schedule. The training loop and the simulator drive every strategy through
 the same calls (outer.base.Strategy): `before_step`, `sync_grads`, `after_step`, `diagnostics`,
@@ -19,11 +26,12 @@ the same calls (outer.base.Strategy): `before_step`, `sync_grads`, `after_step`,
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from frugaltrain.comm import Comm
+from frugaltrain.comm import Comm, Handle
 from frugaltrain.comm.compress import keeps_residual
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.outer.base import Diagnostics
@@ -62,6 +70,25 @@ def dense_or_fp32(codec: str) -> str:
 def copy_all_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
+
+
+@dataclass
+class EarlyExchange:
+    """A round's exchange sent `overlap` steps before the round's end, in flight."""
+
+    handle: Handle
+    sent: list[torch.Tensor]
+    """What was sent; the exchange's result once `handle` is waited on. Its first
+    len(indices) tensors are the pseudo-gradients of the parameters at `indices`."""
+    indices: list[int]
+    theta: list[torch.Tensor]
+    """Those parameters at the send."""
+
+    def land(self, deltas: list[torch.Tensor]) -> None:
+        """Wait, and make the result the pseudo-gradients the round steps with."""
+        self.handle.wait()
+        for k, g in zip(self.indices, self.sent, strict=False):
+            deltas[k].copy_(g)
 
 
 class OuterRound:
@@ -109,6 +136,8 @@ class OuterRound:
         self.codec = codec
         self.feedback_decay = feedback_decay
         self.feedbacks: dict[str, ErrorFeedback] = {}  # per operation, sparse codecs only
+        self.overlap = 0  # tau; a strategy that sends early sets it and implements send_early
+        self._early: EarlyExchange | None = None
 
     # ---- what a strategy overrides
     def start_round(self) -> None:
@@ -116,7 +145,11 @@ class OuterRound:
 
     def exchange(self, deltas: list[torch.Tensor]) -> None:
         """Turn this worker's pseudo-gradients into the ones it steps with (in place); may also
-        replace the outer parameters (gossip)."""
+        replace the outer parameters (gossip). With an exchange sent early, land it here."""
+        raise NotImplementedError
+
+    def send_early(self) -> EarlyExchange:
+        """Post the round's exchange `overlap` steps before the round's end, non-blocking."""
         raise NotImplementedError
 
     # ---- the round, driven by the training loop
@@ -130,14 +163,34 @@ class OuterRound:
 
     @torch.no_grad()
     def after_step(self, step: int) -> bool:
-        """After `step` inner steps; runs the outer round every H and returns True then."""
+        """After `step` inner steps; sends an early exchange `overlap` steps before a round's
+        end, runs the outer round every H and returns True then."""
+        if self.overlap and step % self.H == self.H - self.overlap:
+            self._early = self.send_early()
         if step % self.H:
             return False
+        kept = []  # (parameter index, its steps since an early send), added back after the step
+        if self._early is not None:
+            sent = zip(self._early.indices, self._early.theta, strict=True)
+            kept = [(k, self.params[k] - theta) for k, theta in sent]
         deltas = [x - theta for x, theta in zip(self.outer, self.params, strict=True)]
         self.exchange(deltas)
+        self._early = None
         outer_step(self.opt, range(len(deltas)), deltas, self.params)
+        for k, steps in kept:
+            self.params[k].add_(steps)
         self.round += 1
         return True
+
+    def early_exchange(self, sent: list[torch.Tensor], handle: Handle) -> EarlyExchange:
+        """The early exchange of `handle`, whose `sent` leads with the pseudo-gradients of the
+        parameters it covers (`early_indices`), taken now."""
+        idx = self.early_indices()
+        return EarlyExchange(handle, sent, idx, [self.params[k].detach().clone() for k in idx])
+
+    def early_indices(self) -> list[int]:
+        """The parameters an early exchange covers (all of them unless a strategy says)."""
+        return list(range(len(self.params)))
 
     def feedback(self, op: str) -> ErrorFeedback | None:
         """The error feedback of operation `op` under a codec that keeps a residual (None for
@@ -161,6 +214,8 @@ class OuterRound:
     def state_dict(self) -> dict:
         """Outer parameters, outer optimizer, round counter and error feedback (taken at a round
         end)."""
+        if self._early is not None:
+            raise RuntimeError("checkpoint taken with an exchange in flight; save at round ends")
         return {
             "outer": [x.clone() for x in self.outer],
             "opt": self.opt.state_dict(),
@@ -172,6 +227,7 @@ class OuterRound:
         """`own`: this worker's checkpoint. A peer's state (a restarted worker rejoining) gives
         everything but the error feedback, which starts empty (comm/feedback.py says why)."""
         copy_all_(self.outer, state["outer"])
+        self._early = None
         self.opt.load_state_dict(state["opt"])
         self.round = state["round"]
         self.feedbacks.clear()

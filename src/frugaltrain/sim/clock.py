@@ -184,7 +184,10 @@ class _DDP:
 
 
 class _Round:
-    """outer/round.py: start_round at a round's first step, exchange after its last."""
+    """outer/round.py: start_round at a round's first step, exchange after its last; with an
+    overlap tau, the exchange is posted tau steps before the round's end and waited there."""
+
+    overlap = 0
 
     def __init__(self, cfg: Config, sizes: dict[str, int], net: _Lockstep) -> None:
         o = cfg.outer
@@ -192,6 +195,7 @@ class _Round:
         self.sizes, self.numel, self.net = sizes, sum(sizes.values()), net
         self.momentum = o.momentum
         self.round = 0
+        self.early: list | None = None  # an exchange sent early, in flight
 
     def has_momenta(self) -> bool:
         """OuterRound.momenta() is not None: after the first outer step, with momentum."""
@@ -213,21 +217,36 @@ class _Round:
         pass
 
     def after_step(self, step: int) -> bool:
+        if self.overlap and step % self.H == self.H - self.overlap:
+            self.early = self.send_early()
         if step % self.H:
             return False
         self.exchange()
+        self.early = None
         self.round += 1
         return True
 
     def exchange(self) -> None:
         raise NotImplementedError
 
+    def send_early(self) -> list | None:
+        raise NotImplementedError
+
 
 class _DiLoCo(_Round):
-    """outer/diloco.py: a blocking average of the pseudo-gradients."""
+    """outer/diloco.py: a blocking average of the pseudo-gradients, or one sent early."""
+
+    def __init__(self, cfg: Config, sizes: dict[str, int], net: _Lockstep) -> None:
+        super().__init__(cfg, sizes, net)
+        self.overlap = cfg.outer.diloco.overlap
+
+    def send_early(self) -> list | None:
+        return self.net.post(self.numel, self.codec)
 
     def exchange(self) -> None:
-        self.net.wait(self.net.post(self.numel, self.codec))
+        self.net.wait(
+            self.early if self.early is not None else self.net.post(self.numel, self.codec)
+        )
 
 
 class _NoLoCo(_Round):
@@ -263,10 +282,10 @@ class _FGD(_Round):
         chosen = select(list(sizes), f.mix2_params) if f.mix2 != "none" else []
         self.mix2_numel = sum(n for n, keep in zip(sizes.values(), chosen, strict=False) if keep)
         self.mix2_on = bool(chosen)
+        self.overlap = f.mix2_delay if self.mix2_on else 0
         self.last_step = cfg.run.steps  # outer.build_strategy's last_step
         self.mix1: list | None = None
         self.late: list | None = None  # an overlapped Mix2 in flight
-        self.early: list | None = None  # a delayed Mix2 in flight
 
     def start_round(self) -> None:
         if self.mix1 is not None:
@@ -279,10 +298,8 @@ class _FGD(_Round):
         numel = self.numel * (2 if mixed else 1)
         self.mix1 = self.net.post(numel, self.param_codec, w1) or []
 
-    def after_step(self, step: int) -> bool:
-        if self.mix2_on and self.f.mix2_delay and step % self.H == self.H - self.f.mix2_delay:
-            self.early = self.net.post(self.mix2_numel_sent(), self.codec, self.w2())
-        return super().after_step(step)
+    def send_early(self) -> list | None:
+        return self.net.post(self.mix2_numel_sent(), self.codec, self.w2())
 
     def w2(self) -> np.ndarray:
         return mixing_matrix(self.f.mix2, self.net.M, self.round, self.seed + 1)
@@ -296,7 +313,6 @@ class _FGD(_Round):
         w2 = self.w2()
         if self.early is not None:
             self.net.wait(self.early)
-            self.early = None
         elif self.mix2_on and self.f.mix2_overlap:
             self.settle()
             self.late = self.net.post(self.mix2_numel, self.codec, w2)
