@@ -43,6 +43,7 @@ def test_key_set_is_pinned():
             "dtype",
             "timeout_s",
             "deterministic_comm",
+            "link_mbit",
             "progress",
             "tensorboard",
             "wandb",
@@ -93,6 +94,7 @@ def test_key_set_is_pinned():
             "feedback_decay",
             "coded_average",
             "param_codec",
+            "diloco",
             "fgd",
             "noloco",
             "streaming",
@@ -111,6 +113,7 @@ def test_key_set_is_pinned():
     }
     outer = Config().outer
     assert {s: [f.name for f in dataclasses.fields(getattr(outer, s))] for s in OUTER_SUBS} == {
+        "diloco": ["overlap"],
         "fgd": [
             "preset",
             "mix1",
@@ -130,11 +133,11 @@ def test_key_set_is_pinned():
     }
 
 
-OUTER_SUBS = ("fgd", "noloco", "streaming", "auto")
+OUTER_SUBS = ("diloco", "fgd", "noloco", "streaming", "auto")
 
 
 def test_keys_each_strategy_reads_come_from_the_sections():
-    assert OUTER_KEYS["diloco"] == ("strategy", *SHARED_KEYS["diloco"])
+    assert OUTER_KEYS["diloco"] == ("strategy", *SHARED_KEYS["diloco"], "diloco.overlap")
     assert OUTER_KEYS["noloco"][-2:] == ("noloco.group_size", "noloco.consensus_pull")
     assert "fgd.mix2_params" in OUTER_KEYS["fgd"] and "fgd.mix1" not in OUTER_KEYS["streaming"]
     cfg = build_config(Config, {}, ["outer.strategy=fgd", "outer.fgd.preset=GlobalM1LocalM2"])
@@ -183,7 +186,8 @@ def test_toml_round_trip(tmp_path):
     [
         (
             ["outer.Hh=5"],
-            "unknown key outer.Hh; valid keys here: H, auto, codec, coded_average, feedback_decay",
+            "unknown key outer.Hh; valid keys here: H, auto, codec, coded_average, diloco, "
+            "feedback_decay",
         ),
         (["run.workers=two"], "run.workers = 'two': expected int, got str"),
         (["run.workers=1.5"], "run.workers = 1.5: expected int, got float"),
@@ -249,6 +253,15 @@ def test_toml_round_trip(tmp_path):
             ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_delay=1"]
             + ["fault_tolerance.enabled=true"],
             "outer.fgd.mix2_delay = 1: the fault-tolerant runtime runs Mix2 blocking only",
+        ),
+        (
+            ["outer.H=5", "outer.diloco.overlap=5"],
+            "outer.diloco.overlap = 5: must be below outer.H = 5 so the average is sent inside "
+            "its round",
+        ),
+        (
+            ["outer.diloco.overlap=1", "fault_tolerance.enabled=true"],
+            "outer.diloco.overlap = 1: the fault-tolerant runtime averages at the round's end only",
         ),
         (
             ["outer.strategy=fgd", "outer.fgd.mix1=ring", "outer.fgd.mix1_delta=true"],

@@ -13,6 +13,10 @@ Accounting lives here so every strategy reports it the same way:
   exchanges count the encoded bytes of every copy sent or received.
 - `blocking_s`: wall-clock seconds the worker spent inside `Handle.wait()`, i.e. blocked;
   `blocking_by_op` splits it by the name a strategy gives each operation (`op="mix2"`).
+
+With emulated links (run.link_mbit, comm/pacing.py) the bytes a public operation added are
+queued on the worker's `pacer` when it is posted, and its handle's `wait()` returns no earlier
+than the link would have moved them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.guard import Guard, Verdict, guarded_weights, norm_of, verdict
+from frugaltrain.comm.pacing import Pacer
 
 
 @dataclass
@@ -71,17 +76,30 @@ class Handle:
         self._wait_fn = wait_fn
         self._done_fn = done_fn
         self._finished = wait_fn is None
+        self._pacer: Pacer | None = None  # an emulated link (comm/pacing.py)
+        self._until = 0.0  # on the pacer's clock: when that link has moved this operation
+
+    def pace(self, pacer: Pacer, until: float) -> None:
+        """Make `wait()` return no earlier than `until` (on `pacer`'s clock)."""
+        self._pacer, self._until = pacer, until
+        if self._finished:  # nothing to wait for here, but the link is still busy
+            self._wait_fn, self._done_fn, self._finished = lambda: None, lambda: True, False
 
     def is_completed(self) -> bool:
+        if self._pacer is not None and self._pacer.clock() < self._until:
+            return False
         return self._finished or (self._done_fn is not None and self._done_fn())
 
     def wait(self) -> None:
         if self._finished:
             return
-        stats = self._stats
-        t0, recovering, blocked = time.perf_counter(), stats.recovery_s, stats.blocking_s
+        stats, pacer = self._stats, self._pacer
+        clock = time.perf_counter if pacer is None else pacer.clock
+        t0, recovering, blocked = clock(), stats.recovery_s, stats.blocking_s
         self._wait_fn()
-        spent = time.perf_counter() - t0
+        if pacer is not None:  # the real transfer is done: sleep out the emulated link's rest
+            pacer.sleep_until(self._until)
+        spent = clock() - t0
         stats.blocking_s += spent - (stats.recovery_s - recovering)
         by_op = stats.blocking_by_op  # the simulator's blocking_s is its clock: take the change
         by_op[self.op] = by_op.get(self.op, 0.0) + stats.blocking_s - blocked
@@ -190,6 +208,7 @@ class Comm:
 
     rank: int = 0
     world_size: int = 1
+    pacer: Pacer | None = None  # this worker's emulated link (run.link_mbit); None: as it is
 
     def __init__(
         self, *, deterministic: bool = False, guard: Guard | None = None, shard_link=None
@@ -227,7 +246,10 @@ class Comm:
         self.stats.current_op = op
         if len(self.members) == 1 or not tensors:
             return Handle(self.stats)
-        return self._average(tensors, self._check(tensors, feedback), blocking, codec, feedback)
+        v = self._check(tensors, feedback)
+        sent, received = self.stats.bytes_sent, self.stats.bytes_received
+        handle = self._average(tensors, v, codec, feedback)
+        return self._posted(handle, sent, received, blocking)
 
     def mix_(
         self,
@@ -252,7 +274,9 @@ class Comm:
             raise ValueError(f"mixing matrix is {w.shape}, expected ({n}, {n}) for the members")
         if n == 1 or not tensors or np.array_equal(w, np.eye(n)):
             return Handle(self.stats)
-        return self._start_mix(tensors, w, codec, blocking, feedback)
+        sent, received = self.stats.bytes_sent, self.stats.bytes_received
+        handle = self._start_mix(tensors, w, codec, blocking, feedback)
+        return self._posted(handle, sent, received, blocking)
 
     def _start_mix(
         self,
@@ -262,8 +286,9 @@ class Comm:
         blocking: bool,
         feedback: ErrorFeedback | None = None,
     ) -> Handle:
-        """A validated, non-trivial mix: a complete `w` is an all-reduce, else `_mix`; a
-        non-blocking one may take a path of the runtime's own (`_mix_apart`)."""
+        """A validated, non-trivial mix, posted (the caller waits): a complete `w` is an
+        all-reduce, else `_mix`; a non-blocking one may take a path of the runtime's own
+        (`_mix_apart`)."""
         if not blocking:
             handle = self._mix_apart(tensors, w, codec, feedback)
             if handle is not None:
@@ -271,10 +296,18 @@ class Comm:
         n = len(self.members)
         v = self._check(tensors, feedback)
         if np.allclose(w, 1.0 / n):
-            return self._average(tensors, v, blocking, codec, feedback)
+            return self._average(tensors, v, codec, feedback)
         if v is not None and v.rejected:
             w = guarded_weights(w, v)
-        handle = self._mix(tensors, w, codec, feedback)
+        return self._mix(tensors, w, codec, feedback)
+
+    def _posted(self, handle: Handle, sent: int, received: int, blocking: bool) -> Handle:
+        """A public operation's end: queue the bytes it added since (`sent`, `received`) on the
+        emulated link, if there is one, then wait for it when `blocking`."""
+        pacer = self.pacer
+        if pacer is not None:
+            s = self.stats
+            handle.pace(pacer, pacer.post(s.bytes_sent - sent, s.bytes_received - received))
         if blocking:
             handle.wait()
         return handle
@@ -290,10 +323,11 @@ class Comm:
         self,
         tensors: list[torch.Tensor],
         v: Verdict | None,
-        blocking: bool,
         codec: str,
         feedback: ErrorFeedback | None = None,
     ) -> Handle:
+        """Post an average (the caller waits): of the accepted ones under a guard, a native
+        ring all-reduce, a coded reduce-scatter or a gather."""
         n = len(self.members)
         if v is not None and v.rejected:  # the mean of the accepted ones, taken by everyone
             k = int(v.accepted.sum())
@@ -307,8 +341,6 @@ class Comm:
             handle = self._average_in_two_phases(tensors, codec, feedback)
         else:
             handle = self._mix(tensors, np.full((n, n), 1.0 / n), codec, feedback)
-        if blocking:
-            handle.wait()
         return handle
 
     # ---- the guard (comm/guard.py)

@@ -1,6 +1,6 @@
 """The training config: five sections (`[run] [data] [model] [optim] [outer]`), one class each;
-[outer] nests one sub-section per strategy with keys of its own ([outer.fgd], [outer.noloco],
-[outer.streaming]).
+[outer] nests one sub-section per strategy with keys of its own ([outer.diloco], [outer.fgd],
+[outer.noloco], [outer.streaming]).
 
 Each section checks its own fields; `Config` checks the rules that span sections (outer.H
 against run.steps, FORGE with ddp, Streaming's fragments against the model's blocks). The
@@ -37,32 +37,20 @@ SHARED_KEYS = {
     "streaming": _ROUND_KEYS,
     "auto": ("H",),
 }
-AUTO_METHODS = (
-    "diloco",
-    "diloco-int8",
-    "diloco-e3m0",
-    "streaming",
-    "noloco",
-    "GlobalM1",
-    "GlobalM1LocalM2",
-    "GlobalM1LocalM2-int8",
-    "GlobalM1LocalM2-int8-d4",
-    "GlobalM1LocalM2-4bit",
-    "subset",
-    "ddp",
-    "GlobalM1LocalM2-4bit-H5",
-    "GlobalM1LocalM2-4bit-H5-d1",
-    "diloco-e3m0-H5",
-    "streaming-H4",
-    "GlobalM2-4bit-H5-d1",
-    "diloco-e3m0-H5-rs",
-    "GlobalM2-4bit-H5-d1-rs",
-)
-"""The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: each an example
-config's [outer] (examples/) as benchmarks/time_to_loss.py measured it side by side;
-sim/penalties.json holds each one's [outer] table as measured and its measured step penalty.
-The last seven ran at their own H against DiLoCo's (H = 5 or 4 against 10, "-H5", "-H4") and
-plan at that fraction of outer.H; "-rs" ones take their 4-bit average as a reduce-scatter."""
+AUTO_METHODS = {
+    "diloco": "DiLoCo",
+    "diloco-4bit": "DiLoCo, 4-bit pseudo-gradients, rounds twice as often",
+    "diloco-overlap": "DiLoCo, 4-bit, overlapped: the default job's method",
+    "streaming": "Streaming DiLoCo",
+    "noloco": "NoLoCo",
+    "fgd": "Factored Gossip DiLoCo (GlobalM1LocalM2), 4-bit",
+    "ddp": "DDP",
+}
+"""The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: the name a user
+types (--methods, outer.auto.methods) and what it is, in words. sim/penalties.json holds each
+one's [outer] table as measured side by side (benchmarks/time_to_loss.py) and its measured step
+penalty. diloco-4bit and diloco-overlap (examples/default.toml's [outer]) ran at half DiLoCo's H
+and plan at half of outer.H; fgd is examples/fgd_globalm1_localm2_4bit.toml's method."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
@@ -105,7 +93,7 @@ def codec_error(name: str, *, params: bool = False) -> str | None:
 FGD_PRESETS = {
     "GlobalM1": {"mix1": "complete", "mix2": "none", "mix2_params": "all"},
     "GlobalM1LocalM2": {"mix1": "complete", "mix2": "pairs", "mix2_params": "all"},
-    # No Mix1, a complete Mix2: DiLoCo's round, for a Mix2 sent early (mix2_delay).
+    # No Mix1, a complete Mix2: DiLoCo's round (the paper's ablation of Mix1).
     "GlobalM2": {"mix1": "none", "mix2": "complete", "mix2_params": "all"},
 }
 
@@ -164,6 +152,12 @@ class RunSection(Section):
     """Reduce all-reduces as gather + fp64 sum in rank order (bit-identical to the simulator and
     order-independent) instead of the native ring all-reduce; costs (M-1) S instead of
     2 (M-1)/M S bytes per worker."""
+    link_mbit: list[float] = field(default_factory=list)
+    """Emulated links, Mbit/s: each worker's algorithm traffic is paced in process to this rate
+    (comm/pacing.py: one FIFO full-duplex queue per worker, no root needed), so a fast machine
+    shows what slow links cost. One value for every worker, or run.workers values (one per
+    worker, e.g. one slow link); [] (default): the links as they are. Every time figure of such
+    a run is labelled "emulated"; shaped links (netlab) give the figures to publish."""
     progress: bool = True
     """Show a progress bar on worker 0."""
     tensorboard: bool = False
@@ -220,6 +214,18 @@ class RunSection(Section):
             "refused too: log offline and upload with `wandb sync <run dir>/wandb/offline-run-*`",
         )
         self.require(self.guard_factor > 1, "guard_factor", "must be above 1 (the median itself)")
+        self.require(all(r > 0 for r in self.link_mbit), "link_mbit", "every rate must be > 0")
+        self.require(
+            len(self.link_mbit) in (0, 1, self.workers),
+            "link_mbit",
+            f"give one rate for every worker or run.workers = {self.workers} rates (one each)",
+        )
+        if self.link_mbit and self.workers == 1:
+            warnings.warn(
+                f"run.link_mbit = {self.link_mbit!r}: no effect with run.workers = 1 (one worker "
+                "sends nothing); drop it or set run.workers >= 2",
+                stacklevel=3,
+            )
 
 
 @dataclass(kw_only=True)
@@ -532,6 +538,21 @@ class FgdSection(Section):
 
 
 @dataclass(kw_only=True)
+class DilocoSection(Section):
+    """[outer.diloco]: the keys of DiLoCo alone."""
+
+    section = "outer.diloco"
+    overlap: int = 0
+    """tau: the round's average is sent tau inner steps before the round's end, on the
+    pseudo-gradient of the steps so far, and overlaps the last tau steps; each worker keeps
+    those steps on top of the new outer parameters, so they count in the next round (Streaming
+    DiLoCo's overlap with the local progress kept). 0: the average blocks at the round's end."""
+
+    def check(self) -> None:
+        self.at_least("overlap", 0, "0: the average blocks at the round's end")
+
+
+@dataclass(kw_only=True)
 class NolocoSection(Section):
     """[outer.noloco]: the keys of NoLoCo alone."""
 
@@ -578,7 +599,8 @@ class AutoSection(Section):
     """A link probe's JSON (`frugaltrain netlab probe --out FILE`): the all-reduce's and the pair
     exchange's effective rates (measured). Set this or link_mbit."""
     methods: list[str] = field(default_factory=list)
-    """The methods to choose from (config.AUTO_METHODS; empty: all of them)."""
+    """The methods to choose from, by name (config.AUTO_METHODS: diloco, diloco-4bit,
+    diloco-overlap, streaming, noloco, fgd, ddp); empty: all of them."""
 
     def check(self) -> None:
         self.require(all(r > 0 for r in self.link_mbit), "link_mbit", "every rate must be > 0")
@@ -635,6 +657,8 @@ class OuterSection(Section):
     param_codec: str = ""
     """fgd's Mix1 and noloco's pull send parameters, which top-k cannot thin: their dense
     encoding (fp32, bf16, int8, e3m0). Empty: outer.codec when it is dense, else fp32."""
+    diloco: DilocoSection = field(default_factory=DilocoSection)
+    """DiLoCo's own keys ([outer.diloco])."""
     fgd: FgdSection = field(default_factory=FgdSection)
     """Factored Gossip DiLoCo's own keys ([outer.fgd])."""
     noloco: NolocoSection = field(default_factory=NolocoSection)
@@ -667,6 +691,11 @@ class OuterSection(Section):
             self.fgd.mix2_delay < self.H,
             "mix2_delay",
             f"must be below outer.H = {self.H} so Mix2 is sent inside its round",
+        )
+        self.diloco.require(
+            self.diloco.overlap < self.H,
+            "overlap",
+            f"must be below outer.H = {self.H} so the average is sent inside its round",
         )
         self.auto.require(
             self.strategy != "auto" or bool(self.auto.link_mbit or self.auto.link_json),
@@ -756,10 +785,14 @@ def unused_outer_keys(o: OuterSection) -> list[tuple[str, Any]]:
 
 def outer_for(o: OuterSection, strategy: str) -> OuterSection:
     """`o` under `strategy`, with the keys that strategy does not read at their defaults."""
-    reads = OUTER_KEYS[strategy]
-    shared = {f.name: f.default for f in dataclasses.fields(o) if f.name not in reads}
-    for name, tp in strategy_sections().items():
-        if name != strategy:
+    reads, sections = OUTER_KEYS[strategy], strategy_sections()
+    shared = {
+        f.name: f.default
+        for f in dataclasses.fields(o)
+        if f.name not in reads and f.name not in sections
+    }
+    for name, tp in sections.items():
+        if name != strategy:  # its own sub-section is all keys it reads
             shared[name] = tp()
     shared.pop("strategy", None)
     return dataclasses.replace(o, strategy=strategy, **shared)
@@ -767,10 +800,13 @@ def outer_for(o: OuterSection, strategy: str) -> OuterSection:
 
 def nest_outer_keys(flat: dict[str, Any]) -> dict[str, Any]:
     """Flat [outer] keywords (wrap's) as an [outer] table: a key of a strategy's sub-section
-    goes under it (mix1 -> fgd.mix1); the rest, unknown ones included, stay at the top."""
-    owner = {
-        f.name: name for name, tp in strategy_sections().items() for f in dataclasses.fields(tp)
-    }
+    goes under it (mix1 -> fgd.mix1), under the chosen strategy's own where several have it
+    (overlap: diloco's or streaming's); the rest, unknown ones included, stay at the top."""
+    sections = strategy_sections()
+    chosen = flat.get("strategy")
+    owner = {f.name: name for name, tp in sections.items() for f in dataclasses.fields(tp)}
+    if chosen in sections:
+        owner |= {f.name: chosen for f in dataclasses.fields(sections[chosen])}
     table: dict[str, Any] = {}
     for key, value in flat.items():
         if key in owner:
@@ -972,6 +1008,13 @@ def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> 
         o.fgd.mix2_delay,
         "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_delay = 0 "
         "or fault_tolerance.enabled = false",
+    )
+    require(
+        not (ft.enabled and o.strategy == "diloco" and o.diloco.overlap),
+        "outer.diloco.overlap",
+        o.diloco.overlap,
+        "the fault-tolerant runtime averages at the round's end only; set "
+        "outer.diloco.overlap = 0 or fault_tolerance.enabled = false",
     )
     require(
         not (ft.enabled and o.strategy == "fgd" and o.fgd.mix1_delta),

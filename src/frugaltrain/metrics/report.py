@@ -1,6 +1,9 @@
 """Summary table and loss plots of a run, from its metrics.jsonl alone (`report` re-renders),
 and the comparison of several runs' validation loss against the bytes they sent
-(`report_runs`, `frugaltrain report RUN_DIR ... --plot-bytes OUT.png`)."""
+(`report_runs`, `frugaltrain report RUN_DIR ... --plot-bytes OUT.png`).
+
+A run on emulated links (run.link_mbit) says so wherever a time figure appears: its clock reads
+"measured, emulated 20 Mbit/s links" (`clock_label`)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def summarize(records: list[dict]) -> dict:
         "strategy": last.get("strategy"),
         "workers": last.get("workers"),
         "clock": last.get("clock", "measured"),
+        **({"links": last["links"]} if "links" in last else {}),
         "rounds": last["round"],
         "steps": last["step"],
         "tokens": last["tokens"],
@@ -103,8 +107,29 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def clock_label(figures: dict) -> str:
+    """The clock a summary's or round record's times are on: measured, simulated, or measured
+    on emulated links (comm/pacing.py)."""
+    clock = figures.get("clock", "measured")
+    return f"{clock}, {figures['links']} links" if "links" in figures else clock
+
+
+def time_to_loss(records: list[dict], target: float) -> float | None:
+    """Wall seconds (the run's own clock) until its validation loss first reached `target`,
+    interpolated linearly between evaluations; None if it never did."""
+    walls, losses = wall_curve(records)
+    for i, (t, loss) in enumerate(zip(walls, losses, strict=True)):
+        if loss > target:
+            continue
+        if i == 0 or losses[i - 1] == loss:
+            return t
+        t0, l0 = walls[i - 1], losses[i - 1]
+        return t0 + (l0 - target) / (l0 - loss) * (t - t0)
+    return None
+
+
 def format_summary(summary: dict) -> str:
-    clock = summary.get("clock", "measured")
+    clock = clock_label(summary)
     rows = [
         ("strategy / workers", f"{summary['strategy']} / {summary['workers']}"),
         ("rounds / inner steps", f"{summary['rounds']} / {summary['steps']}"),
@@ -142,9 +167,16 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(ours: dict, theirs: dict, names: tuple[str, str] | None = None) -> str:
+def format_comparison(
+    ours: dict,
+    theirs: dict,
+    names: tuple[str, str] | None = None,
+    records: tuple[list[dict], list[dict]] | None = None,
+) -> str:
     """Two runs' headline figures side by side (ours first), with their ratio; `names` label the
-    columns (default: each run's strategy)."""
+    columns (default: each run's strategy). With both runs' `records`, also the wall clock each
+    took to reach the second's final validation loss (`time_to_loss`), and its ratio: ours in
+    units of theirs."""
     rows = [
         ("val loss (last eval)", "loss/val_last"),
         ("compute utilization", "util/compute"),
@@ -154,19 +186,29 @@ def format_comparison(ours: dict, theirs: dict, names: tuple[str, str] | None = 
         ("wall s", "time/wall_s"),
     ]
     names = names or (f"{ours.get('strategy')}", f"{theirs.get('strategy')}")
-    clock = ours.get("clock", "measured")
-    width = max(len(k) for k, _ in rows) + len(clock) + 3
-    lines = [f"{'metric':<{width}}{names[0]:>12}{names[1]:>12}{'ratio':>9}"]
+    clock = clock_label(ours)
+    table = []
     for label, key in rows:
         a, b = ours.get(key), theirs.get(key)
-        ratio = (
-            f"{a / b:.3f}"
-            if isinstance(a, float | int) and isinstance(b, float | int) and b
-            else "-"
-        )
         name = label if key.startswith(("loss", "comm")) else f"{label} ({clock})"
-        lines.append(f"{name:<{width}}{_fmt(a):>12}{_fmt(b):>12}{ratio:>9}")
+        table.append((name, _fmt(a), _fmt(b), _ratio(a, b)))
+    if records is not None:
+        target = theirs.get("loss/val_last")
+        a, b = (None, None) if target is None else (time_to_loss(r, target) for r in records)
+        reached = "-" if target is None else "not reached"
+        name = f"wall s to {names[1]}'s final val loss ({clock})"
+        table.append((name, _fmt(a) if a is not None else reached, _fmt(b), _ratio(a, b, reached)))
+    width = max(len(name) for name, *_ in table)
+    lines = [f"{'metric':<{width}}{names[0]:>12}{names[1]:>12}{'ratio':>12}"]
+    lines += [f"{name:<{width}}{a:>12}{b:>12}{ratio:>12}" for name, a, b, ratio in table]
     return "\n".join(lines)
+
+
+def _ratio(a, b, missing: str = "-") -> str:
+    """a / b to three decimals; `missing` when either is not a number (or b is 0)."""
+    if isinstance(a, float | int) and isinstance(b, float | int) and b:
+        return f"{a / b:.3f}"
+    return missing
 
 
 def plot_losses(records: list[dict], path: Path, title: str = "") -> Path:
@@ -307,7 +349,7 @@ def report_runs(run_dirs: list[str | Path], plot_bytes: str | Path | None = None
         for d in dirs:
             last = next((r for r in reversed(records[d]) if r.get("kind") == "round"), {})
             if bytes_curve(records[d])[0]:
-                clock = last.get("clock", "measured")
+                clock = clock_label(last)
                 runs.append((f"{d.name} ({last.get('strategy')}, {clock})", records[d]))
             else:
                 print(f"{d}: no validation loss after a byte was sent; not in the plot")

@@ -25,6 +25,11 @@ def _train_overrides(rest: list[str]) -> tuple[str | None, list[str]]:
     args = parser.parse_args(rest)
     if args.resume:
         raise ConfigError("netlab run starts new runs only; drop --resume")
+    if args.link_mbit:  # paced on top of shaped links, each figure would be neither
+        raise ConfigError(
+            f"--link-mbit {args.link_mbit}: netlab shapes real links (--rate-mbit); drop "
+            "--link-mbit, which emulates links in process"
+        )
     return args.config, overrides(args)
 
 

@@ -7,6 +7,7 @@ Times are simulated seconds, bandwidths bits per second, powers watts.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 
 import frugaltrain.faults as faults
@@ -181,6 +182,13 @@ class SimSection(Section):
             "the simulator runs each worker as one unsharded replica (sharding changes the "
             "per-process bytes, not the algorithm); set run.shards = 1",
         )
+        if cfg.run.link_mbit:  # the simulated clock has its own network: nothing to pace
+            rates = [r * 1e6 for r in cfg.run.link_mbit]
+            warnings.warn(
+                f"run.link_mbit = {cfg.run.link_mbit!r}: no effect in the simulator, whose links "
+                f"are sim.bandwidth_bps (or sim.ratio); for these set sim.bandwidth_bps = {rates}",
+                stacklevel=2,
+            )
         acts = [f.kind for f in faults.parse(cfg.fault_tolerance.inject)]
         require(
             set(acts) <= set(faults.WIRE_FAULTS),

@@ -3,8 +3,10 @@ Factored Gossip DiLoCo), measured in the same command or reused from an earlier 
 
     frugaltrain train --config examples/default.toml --baseline diloco
 
-The launcher prints both runs' figures side by side and draws their validation loss against
-wall clock into RUN_DIR/beside_STRATEGY.png.
+The launcher prints both runs' figures side by side, with the wall clock each took to reach the
+baseline's final validation loss as a ratio of the baseline's, and draws their validation loss
+against wall clock into RUN_DIR/beside_STRATEGY.png. The baseline keeps the run's [run], so on
+emulated links (run.link_mbit) it runs on the same ones, and both are labelled so.
 
 The baseline's run directory is out_dir/baselines/STRATEGY-DIGEST, where DIGEST hashes the whole
 config but the run's name, directory and progress bar, so a cached baseline is reused only for
@@ -16,9 +18,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from frugaltrain.config import OUTER_KEYS, Config, ConfigError, outer_for, to_dict, to_toml
+from frugaltrain.config import (
+    OUTER_KEYS,
+    Config,
+    ConfigError,
+    outer_for,
+    strategy_sections,
+    to_dict,
+    to_toml,
+)
 from frugaltrain.metrics.log import read_metrics
-from frugaltrain.metrics.report import plot_loss_vs_wall, report
+from frugaltrain.metrics.report import clock_label, plot_loss_vs_wall, report
 from frugaltrain.train import checkpoint
 
 EXACT = ("codec", "param_codec", "feedback_decay", "coded_average")
@@ -34,21 +44,28 @@ def check_baseline(strategy: str) -> None:
 
 
 def baseline_config(cfg: Config, strategy: str) -> Config:
-    """`cfg` under `strategy`, with the [outer] keys that strategy does not read, and the codec
-    keys (EXACT), at their defaults."""
+    """`cfg` under `strategy`, with the [outer] keys that strategy does not read, the codec
+    keys (EXACT) and its own sub-section at their defaults: the method as its paper has it,
+    at the run's H and outer step (DiLoCo's baseline of a DiLoCo run sent early blocks)."""
     check_baseline(strategy)
     outer = outer_for(cfg.outer, strategy)
     exact = {f.name: f.default for f in dataclasses.fields(outer) if f.name in EXACT}
+    own = strategy_sections().get(strategy)
+    if own is not None:
+        exact[strategy] = own()
     outer = dataclasses.replace(outer, **exact)
     run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
     return dataclasses.replace(cfg, outer=outer, run=run)
 
 
 def method_label(cfg: Config) -> str:
-    """The outer strategy and, when it is not fp32, its codec: what tells a run from its
-    baseline when both are the same strategy."""
-    codec = cfg.outer.codec
-    return cfg.outer.strategy if codec == "fp32" else f"{cfg.outer.strategy} {codec}"
+    """The outer strategy, its codec when it is not fp32 and DiLoCo's overlap when it has one:
+    what tells a run from its baseline when both are the same strategy."""
+    o = cfg.outer
+    label = o.strategy if o.codec == "fp32" else f"{o.strategy} {o.codec}"
+    if o.strategy == "diloco" and o.diloco.overlap:
+        label += f", sent {o.diloco.overlap} step{'s' if o.diloco.overlap > 1 else ''} early"
+    return label
 
 
 def baseline_dir(cfg: Config) -> Path:
@@ -72,18 +89,24 @@ def run_baseline(cfg: Config, strategy: str, run) -> tuple[dict, str]:
     return report(run_dir, quiet=True), f"measured now ({run_dir})"
 
 
+def beside_records(cfg: Config, run_dir: Path, strategy: str) -> tuple[list[dict], list[dict]]:
+    """The run's and its baseline's metrics records."""
+    base_dir = baseline_dir(baseline_config(cfg, strategy))
+    return read_metrics(run_dir / "metrics.jsonl"), read_metrics(base_dir / "metrics.jsonl")
+
+
 def plot_beside(cfg: Config, run_dir: Path, strategy: str) -> Path:
     """The run's and its baseline's validation loss against wall clock, as run_dir/
-    beside_STRATEGY.png (each on its own measured clock)."""
-    base = baseline_config(cfg, strategy)
+    beside_STRATEGY.png (each on its own clock: measured, or on emulated links)."""
+    ours, theirs = beside_records(cfg, run_dir, strategy)
     runs = [
-        (
-            f"{method_label(cfg)} ({run_dir.name}, measured)",
-            read_metrics(run_dir / "metrics.jsonl"),
-        ),
-        (
-            f"{method_label(base)} (baseline, measured)",
-            read_metrics(baseline_dir(base) / "metrics.jsonl"),
-        ),
+        (f"{method_label(cfg)} ({run_dir.name}, {_clock(ours)})", ours),
+        (f"{method_label(baseline_config(cfg, strategy))} (baseline, {_clock(theirs)})", theirs),
     ]
     return plot_loss_vs_wall(runs, run_dir / f"beside_{strategy}.png")
+
+
+def _clock(records: list[dict]) -> str:
+    """A run's clock from its last round record (report.clock_label)."""
+    last = next((r for r in reversed(records) if r.get("kind") == "round"), {})
+    return clock_label(last)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from frugaltrain.config import FGD_PRESETS, add_set_flag
+from frugaltrain.config import FGD_PRESETS, ConfigError, add_set_flag
 
 TRAIN_HELP = "train with an outer strategy on N local workers or torchrun"
 
@@ -42,6 +42,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--inner-optimizer",
         help="shortcut for --set optim.name=NAME: adamw, forge-adamw, forge-sgd or forge-lion",
+    )
+    p.add_argument(
+        "--link-mbit",
+        metavar="R[,R,...]",
+        help="emulated links: pace each worker's traffic to R Mbit/s, one rate or one per worker "
+        "(run.link_mbit; figures are labelled emulated)",
     )
     p.add_argument("--name", help="shortcut for --set run.name=NAME")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
@@ -79,6 +85,18 @@ def overrides(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None:
             sets.append(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    if getattr(args, "link_mbit", None):
+        sets.append(f"run.link_mbit={_rates(args.link_mbit)}")
     if getattr(args, "inject", None):
         sets += ["fault_tolerance.enabled=true", f"fault_tolerance.inject={args.inject!r}"]
     return sets + list(args.set)
+
+
+def _rates(text: str) -> list[float]:
+    """--link-mbit's rates: "20" or "20,20,20,5" (Mbit/s)."""
+    try:
+        return [float(r) for r in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--link-mbit {text!r}: give rates in Mbit/s, e.g. 20 or 20,20,20,5 (one per worker)"
+        ) from None

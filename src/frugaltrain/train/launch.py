@@ -439,6 +439,7 @@ def train_from_cli(
         if baseline:
             from frugaltrain.train.baseline import (
                 baseline_config,
+                beside_records,
                 method_label,
                 plot_beside,
                 run_baseline,
@@ -446,7 +447,8 @@ def train_from_cli(
 
             theirs, where = run_baseline(cfg, baseline, run)
             names = (method_label(cfg), method_label(baseline_config(cfg, baseline)))
+            records = beside_records(cfg, run_dir, baseline)
             print(f"\n{names[0]} beside {names[1]} (baseline {where}):")
-            print(format_comparison(summary, theirs, names))
+            print(format_comparison(summary, theirs, names, records))
             print(f"plot: {plot_beside(cfg, run_dir, baseline)}")
     return 0

@@ -12,6 +12,9 @@ Timing (all measured wall clock, per worker):
     compute_s  = time in forward, backward and the inner optimizer step
     blocking_s = time blocked in communication (Handle.wait), from the comm's own accounting
     utilization = compute_s / (compute_s + blocking_s)
+With run.link_mbit the comm paces its transfers to emulated links (comm/pacing.py): blocking_s
+and the wall clock are then those of the emulated links, and each round record says so
+("links": "emulated 20 Mbit/s").
 Each round record also holds every worker's own figures (peer/bytes_sent, peer/blocking_s, ...)
 and the blocking time per named operation (comm/blocking_s/<op>): metrics/peers.py.
 
@@ -41,6 +44,7 @@ from pathlib import Path
 import torch
 
 from frugaltrain.comm import Comm
+from frugaltrain.comm.pacing import links_label
 from frugaltrain.comm.runtime import RoundEnd, Runtime, StateFn
 from frugaltrain.config import Config, ConfigError
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
@@ -449,6 +453,8 @@ def round_record(w: Worker, steps: int, lr: float, wall_s: float) -> dict:
         "time/wall_s": wall_s,
         "flops/train": flops_per_token * steps * tokens_per_step * M,
         "flops/label": "estimated (analytic)",
+        # Paced links (comm/pacing.py): every time figure of the run is on emulated links.
+        **({"links": links_label(cfg.run.link_mbit)} if cfg.run.link_mbit else {}),
     }
 
 

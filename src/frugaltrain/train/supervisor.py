@@ -37,6 +37,7 @@ from frugaltrain import processes
 from frugaltrain.comm.faults import FaultyRuntime
 from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
+from frugaltrain.comm.pacing import pacer_of
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.step import worker_threads
@@ -251,15 +252,19 @@ def _plain_worker(cfg: Config, rank: int, store, run_dir: str, resume: str | Non
 def plain_comm(cfg: Config, rank: int) -> tuple:
     """(comm, shards) of process `rank` once the default group holds the run's processes: a
     TorchDistComm over all of them, or with run.shards > 1 over its shard group, with its
-    place in its replica (train/sharding.py). Every process calls this."""
+    place in its replica (train/sharding.py), paced to its worker's emulated link when
+    run.link_mbit is set. Every process calls this."""
     from frugaltrain.comm.torchdist import TorchDistComm
 
     kwargs = {"deterministic": cfg.run.deterministic_comm, "guard": guard_of(cfg.run)}
     if cfg.run.shards == 1:
-        return TorchDistComm(**kwargs), None
-    worker_device(cfg, rank)  # a GPU is chosen before its groups are made
-    shards, group = build_layout(cfg.run.workers, cfg.run.shards, cfg.run.device)
-    return TorchDistComm(group, shard_link=shards.link, **kwargs), shards
+        comm, shards = TorchDistComm(**kwargs), None
+    else:
+        worker_device(cfg, rank)  # a GPU is chosen before its groups are made
+        shards, group = build_layout(cfg.run.workers, cfg.run.shards, cfg.run.device)
+        comm = TorchDistComm(group, shard_link=shards.link, **kwargs)
+    comm.pacer = pacer_of(cfg.run.link_mbit, rank // cfg.run.shards, cfg.run.shards)
+    return comm, shards
 
 
 def _elastic_worker(
@@ -292,6 +297,7 @@ def _elastic_worker(
     comm = ElasticComm(
         store, me, options, timeout_s=timeout_s, guard=guard_of(cfg.run), shard_link=link
     )
+    comm.pacer = pacer_of(cfg.run.link_mbit, replica, S)
     runtime = ElasticRuntime(comm, cfg.run.min_workers, local)
     faults = _injector(cfg, replica, shard, incarnation) if cfg.fault_tolerance.inject else None
     resume_path = Path(resume) if resume and incarnation == 1 else None
