@@ -9,6 +9,7 @@ depend on whether the others are blocked.
     python benchmarks/time_to_loss.py --resimulate JSON [CASE]  # the simulator's curves again
     python benchmarks/time_to_loss.py --penalties src/frugaltrain/sim/penalties.json
                       # the planner's step penalties (`frugaltrain plan`), from PENALTY_FILES
+                      # (the runs in PLANNER, under the names a user types)
     python benchmarks/time_to_loss.py --check-against JSON [--before]
                       # the planner against the runs (--before: with the first penalties)
 
@@ -128,8 +129,19 @@ METHODS = {  # name -> (example config, extra overrides)
             "outer.coded_average='reduce_scatter'",
         ],
     ),
+    # The default job's method as it is configured now (examples/default.toml's [outer] on the
+    # byte-level job): the run above, bit for bit, as DiLoCo sent a step early.
+    "default-job": (
+        "diloco",
+        [
+            "outer.codec='e3m0'",
+            "outer.H=5",
+            "outer.coded_average='reduce_scatter'",
+            "outer.diloco.overlap=1",
+        ],
+    ),
     "streaming-H4": ("streaming", ["outer.H=4"]),  # its fragments must divide H
-    # The flagship's round in 2 bits with error feedback on both codings: 0.55x e3m0's bytes.
+    # diloco-e3m0-H5-rs's round in 2 bits, error feedback on both codings: 0.55x e3m0's bytes.
     "diloco-2bit-H5-rs": (
         "diloco",
         ["outer.codec='2bit'", "outer.H=5", "outer.coded_average='reduce_scatter'"],
@@ -655,21 +667,33 @@ PENALTY_FILES = (
 measured in more than one takes the first's. Every method at DiLoCo's outer step for H = 10
 (lr 1.0, momentum 0), the others running past DiLoCo's steps (--steps-x 1.5); a method at its
 own H (H = 5 in 4 bits) gets the fraction of DiLoCo's H it ran at (H_fraction)."""
-PENALTY_FILES_BEFORE = ("time_to_loss.json", "time_to_loss_flagship.json")
+PENALTY_FILES_BEFORE = ("time_to_loss.json", "time_to_loss_int8_fgd.json")
 """Those of the planner's first penalties (each method at its example's outer step of the time,
 the others stopped at DiLoCo's steps): the plan tables of those runs are drawn with them."""
 SAME_SETUP = ("data", "tuned_on", "steps", "H", "seeds")
+PLANNER = {
+    "diloco": "diloco",
+    "diloco-e3m0-H5-rs": "diloco-4bit",
+    "GlobalM2-4bit-H5-d1-rs": "diloco-overlap",
+    "streaming": "streaming",
+    "noloco": "noloco",
+    "GlobalM1LocalM2-4bit": "fgd",
+    "ddp": "ddp",
+}
+"""The runs whose penalties `frugaltrain plan` ships, each under the name a user types
+(config.AUTO_METHODS), in its order. The others stay here: the plan tables of the results files
+(plan_table) plan every method a file measured, by its run name."""
 
 
 def penalties(files: list[tuple[str, dict]]) -> dict:
-    """The planner's table (src/frugaltrain/sim/penalties.json) from results files, (path,
-    record) each, all of one setup: per method, the [outer] table it was measured with (the
-    file's `outer_tables`: its example's at the time, with the variant's overrides; H is the
-    run's own), the file it was measured in and the fraction of DiLoCo's steps it needs to
-    reach DiLoCo's final loss: the mean over seeds. A seed's curve is the same in every case
-    (its losses do not depend on the links), so each seed counts once: reached if any case's
-    run reached it, else "not reached", or "stopped" (at the budget, before all its steps) with
-    the fraction it had run."""
+    """Every run's step penalties from results files, (path, record) each, all of one setup
+    (packaged_penalties picks the planner's from them): per method, the [outer] table it was
+    measured with (the file's `outer_tables`: its example's at the time, with the variant's
+    overrides; H is the run's own), the file it was measured in and the fraction of DiLoCo's
+    steps it needs to reach DiLoCo's final loss: the mean over seeds. A seed's curve is the
+    same in every case (its losses do not depend on the links), so each seed counts once:
+    reached if any case's run reached it, else "not reached", or "stopped" (at the budget,
+    before all its steps) with the fraction it had run."""
     first = files[0][1]
     for path, record in files[1:]:
         for key in SAME_SETUP:
@@ -697,6 +721,31 @@ def penalties(files: list[tuple[str, dict]]) -> dict:
         "seeds that reached it",
         "methods": methods,
     }
+
+
+def packaged_penalties(files: list[tuple[str, dict]]) -> dict:
+    """The planner's table as it ships (src/frugaltrain/sim/penalties.json): `penalties` of the
+    runs in PLANNER under their users' names, each [outer] table as a user writes it
+    (as_written); the run's name stays as provenance ("run")."""
+    lab = penalties(files)
+    methods = {}
+    for run, name in PLANNER.items():
+        entry = lab["methods"][run]
+        methods[name] = {"run": run, **entry, "outer": as_written(entry["outer"])}
+    return {**lab, "methods": methods}
+
+
+def as_written(outer: dict) -> dict:
+    """A measured [outer] table as a user writes the same training: fgd's GlobalM2 (no Mix1, a
+    complete Mix2 over every tensor) with Mix2 sent tau steps early is DiLoCo with
+    [outer.diloco] overlap = tau, step for step; the parameter codec it never read goes."""
+    fgd = outer.get("fgd", {})
+    globalm2 = fgd.get("preset") == "GlobalM2" and set(fgd) <= {"preset", "mix2_delay"}
+    if outer["strategy"] != "fgd" or not globalm2:
+        return outer
+    same = {k: v for k, v in outer.items() if k not in ("strategy", "param_codec", "fgd")}
+    overlap = fgd.get("mix2_delay", 0)
+    return {"strategy": "diloco", **same, **({"diloco": {"overlap": overlap}} if overlap else {})}
 
 
 def _penalty(record: dict, m: str) -> dict:
@@ -740,13 +789,14 @@ def plan_cases(record: dict, pen: dict | None = None) -> list[dict]:
     DiLoCo's per method, beside the measured ratios and the simulator's (seed 0, trained); its
     pick and the measured fastest (lowest mean ratio over the seeds that reached the loss). The
     step penalties come from these same runs, so this checks the clock and the composition, not
-    how the penalties carry over to other configs. `pen`: the penalties' table (default: the
-    packaged one)."""
+    how the penalties carry over to other configs. `pen`: the penalties' table (default: every
+    run of PENALTY_FILES, by its run name)."""
     from frugaltrain.sim.plan import StepTime, links_from_probe, make_plan
 
     shared = [s for s in record["shared"] if not s.startswith("run.seed=")]
     cfg = load_config(*overrides(BASELINE, shared))
     found = {(a["case"], a["method"]): a for a in analyze(record)}
+    pen = pen or penalties(penalty_files())
     out = []
     for name, case in record["cases"].items():
         steps = [r["step_s_measured"] for r in case["runs"] if r["method"] == BASELINE]
@@ -843,7 +893,7 @@ if __name__ == "__main__":
         resimulate(Path(sys.argv[2]), sys.argv[3:])
     elif sys.argv[1:2] == ["--penalties"]:
         out = Path(sys.argv[2])
-        out.write_text(json.dumps(penalties(penalty_files()), indent=1) + "\n")
+        out.write_text(json.dumps(packaged_penalties(penalty_files()), indent=1) + "\n")
         print(f"wrote {out}")
     elif sys.argv[1:2] == ["--check-against"]:
         # --before: with the penalties of PENALTY_FILES_BEFORE (the plan tables of those runs)

@@ -1,5 +1,7 @@
 """The planner (`frugaltrain plan`, outer.strategy = "auto"): its clock equals the simulator's for
-every method it offers, every figure it prints carries its label, bad input stops it before any
+every method it offers, every figure it prints carries its label, it names methods as a user
+types them and never by a benchmark run, its pick comes as an [outer] table a config runs
+(--write), --check trains the pick and DiLoCo on emulated links, bad input stops it before any
 work, it times exactly one warm-up and three inner steps, auto runs a concrete method and a
 resumed run keeps it, and its packaged penalties are what the benchmark's results give."""
 
@@ -9,6 +11,7 @@ import copy
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -17,14 +20,17 @@ import tomllib
 
 from frugaltrain.config import (
     AUTO_METHODS,
+    FGD_PRESETS,
     Config,
     ConfigError,
     build_config,
     load,
+    load_config,
+    read_toml,
     to_dict,
     to_toml,
 )
-from frugaltrain.sim import SimSection, plan_cli, simulate
+from frugaltrain.sim import SimSection, plan_check, plan_cli, simulate
 from frugaltrain.sim import plan as planner
 from frugaltrain.sim.clock import clock
 from frugaltrain.sim.plan import (
@@ -36,6 +42,7 @@ from frugaltrain.sim.plan import (
     load_penalties,
     make_plan,
     method_config,
+    pick_table,
     plan_json,
 )
 from frugaltrain.train import checkpoint
@@ -101,7 +108,7 @@ def _engine_and_clock(cfg: Config, sim: SimSection):
     return [r for r in result.records if r["kind"] == "round"], result.summary, clock(cfg, sim)
 
 
-@pytest.mark.parametrize("method", AUTO_METHODS)
+@pytest.mark.parametrize("method", list(AUTO_METHODS))
 def test_clock_equals_the_simulator_for_every_method(make_config, method):
     # The same SimWorld timing code on the same posts: equal to the last bit, not approximately.
     cfg = method_config(make_config(*TINY), load_penalties()["methods"][method]["outer"])
@@ -182,13 +189,34 @@ def test_the_table_labels_every_figure(make_config):
     assert lines[2] == "links: 2 Mbit/s each, given"
     assert "measured on /usr/share/doc" in lines[3] and "tuned on stdlib" in lines[3]
     header = next(line for line in lines if line.startswith("| method"))
-    for column in ("U (simulated)", "s (simulated)", "x DiLoCo's (measured)"):
+    for column in ("what it is", "U (simulated)", "s (simulated)", "x DiLoCo's (measured)"):
         assert column in header
     assert header.count("(estimated)") == 3
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
     assert [r.split(" | ")[0][2:] for r in rows] == list(AUTO_METHODS)
+    assert [r.split(" | ")[1] for r in rows] == list(AUTO_METHODS.values())
     assert "| 1.00 (3/3 seeds) |" in rows[0] and rows[0].endswith("| 1.00 | 1.00-1.00 |")
-    assert lines[-1].startswith("pick: ") and "shortest estimated time" in lines[-1]
+    pick = next(line for line in lines if line.startswith("pick: "))
+    assert "shortest estimated time" in pick
+
+
+def test_the_pick_ends_the_plan_as_an_outer_table_at_its_H(make_config):
+    p = _plan(make_config)
+    row = next(r for r in p.rows if r.method == p.pick)
+    assert p.outer == row.outer and p.outer["H"] == row.H
+    text = format_plan(p)
+    assert text.split("pick: ")[1].startswith(f"{p.pick} ({AUTO_METHODS[p.pick]}): ")
+    table = text[text.index("\n[outer]\n") :]
+    assert tomllib.loads(table)["outer"] == p.outer  # pasted as printed, it reads back the same
+    assert plan_json(p)["pick_outer"] == p.outer and plan_json(p)["pick_label"]
+
+
+def test_a_table_carries_only_what_its_strategy_reads():
+    # DDP was measured with an [outer] table carrying DiLoCo's lr: a config does not need it.
+    measured = load_penalties()["methods"]["ddp"]["outer"]
+    assert "lr" in measured and pick_table(measured, 7) == {"strategy": "ddp", "H": 7}
+    overlap = load_penalties()["methods"]["diloco-overlap"]["outer"]
+    assert pick_table(overlap, 5) == {"strategy": "diloco", "H": 5, **overlap}
 
 
 def test_a_probe_is_measured_and_a_method_never_reached_gets_no_number(make_config, monkeypatch):
@@ -211,13 +239,13 @@ def test_a_method_past_diloco_steps_is_timed_past_them(make_config, monkeypatch)
     """A step penalty above 1 (the method reached DiLoCo's loss after DiLoCo's last step): the
     time is the clock at that many steps, past the clock of run.steps."""
     pen = load_penalties()
-    pen["methods"]["diloco-int8"] |= {"steps_fraction": 1.5, "reached": "3/3"}
+    pen["methods"]["streaming"] |= {"steps_fraction": 1.5, "reached": "3/3"}
     monkeypatch.setattr(planner, "load_penalties", lambda: pen)
     cfg = make_config(*TINY)
-    row = next(r for r in _plan(make_config).rows if r.method == "diloco-int8")
+    row = next(r for r in _plan(make_config).rows if r.method == "streaming")
     links = links_given([2.0], cfg.run.workers)  # as _plan feeds it
     sim = SimSection(step_s=0.05, bandwidth_bps=links.bandwidth_bps, p2p_bandwidth_ratio=1.0)
-    outer = pen["methods"]["diloco-int8"]["outer"]
+    outer = pen["methods"]["streaming"]["outer"]
     H = cfg.outer.H
     c = clock(method_config(cfg, outer, math.ceil(1.5 * cfg.run.steps / H) * H), sim)
     assert row.clock_s == c.at_step(cfg.run.steps) < row.time_s
@@ -225,31 +253,30 @@ def test_a_method_past_diloco_steps_is_timed_past_them(make_config, monkeypatch)
 
 
 def test_a_method_measured_at_its_own_H_plans_at_that_fraction_of_outer_H(make_config):
-    # DiLoCo in e3m0 ran at H = 5 against DiLoCo's 10: under outer.H = 6 it plans at 3, on the
-    # clock of a run at H = 3; Streaming at H = 4 (0.4 of 10) cannot end 30 steps on a round.
-    entry = load_penalties()["methods"]["diloco-e3m0-H5"]
+    # DiLoCo in 4 bits ran at H = 5 against DiLoCo's 10: under outer.H = 6 it plans at 3, on
+    # the clock of a run at H = 3; under outer.H = 5 at 2, which cannot end 15 steps on a round.
+    entry = load_penalties()["methods"]["diloco-4bit"]
     assert entry["H_fraction"] == 0.5 and "H" not in entry["outer"]
     cfg = make_config(*TINY)
     rows = {r.method: r for r in _plan(make_config).rows}
-    assert rows["diloco"].H == 6 and rows["diloco-e3m0-H5"].H == 3 and rows["streaming-H4"].H == 2
+    assert rows["diloco"].H == 6 and rows["diloco-4bit"].H == 3 and rows["streaming"].H == 6
     links = links_given([2.0], cfg.run.workers)  # as _plan feeds it
     sim = SimSection(step_s=0.05, bandwidth_bps=links.bandwidth_bps, p2p_bandwidth_ratio=1.0)
     steps = math.ceil(max(1.0, *entry["seeds"].values()) * cfg.run.steps / 3) * 3
     c = clock(method_config(cfg, entry["outer"], steps, H=3), sim)
-    assert rows["diloco-e3m0-H5"].clock_s == c.at_step(cfg.run.steps)
-    cfg = make_config(*TINY, "run.steps=30", "outer.H=10")
+    assert rows["diloco-4bit"].clock_s == c.at_step(cfg.run.steps)
+    cfg = make_config(*TINY, "run.steps=15", "outer.H=5")
     p = make_plan(cfg, links, StepTime(0.05, "measured (a test's figure)"))
     rows = {r.method: r for r in p.rows}
-    assert rows["diloco-e3m0-H5"].H == 5 and rows["diloco-e3m0-H5"].time_s is not None
-    assert rows["streaming-H4"].time_s is None
-    assert "must be a multiple of outer.H = 4" in rows["streaming-H4"].note
-    assert "streaming-H4: not for this config" in format_plan(p)
+    assert rows["diloco"].time_s is not None and rows["diloco-4bit"].time_s is None
+    assert "must be a multiple of outer.H = 2" in rows["diloco-4bit"].note
+    assert "diloco-4bit: not for this config" in format_plan(p)
 
 
 def test_a_config_that_is_a_method_measured_at_a_fraction_of_H_plans_at_its_own_H(make_config):
-    # diloco-e3m0-H5-rs runs at H = 5, measured against DiLoCo at 10: DiLoCo plans at 10 and the
+    # diloco-4bit runs at H = 5, measured against DiLoCo at 10: DiLoCo plans at 10 and the
     # config's own method at the 5 it runs, not at 2 (half of 5).
-    measured = load_penalties()["methods"]["diloco-e3m0-H5-rs"]
+    measured = load_penalties()["methods"]["diloco-4bit"]
     assert measured["H_fraction"] == 0.5
     own = [f"outer.{k}={v!r}" for k, v in measured["outer"].items()]
     cfg = make_config(*TINY, *own, "outer.H=5", "run.steps=30")
@@ -257,7 +284,7 @@ def test_a_config_that_is_a_method_measured_at_a_fraction_of_H_plans_at_its_own_
     links = links_given([2.0], cfg.run.workers)
     p = make_plan(cfg, links, StepTime(0.05, "measured (a test's figure)"))
     rows = {r.method: r for r in p.rows}
-    assert p.H == 10 and rows["diloco"].H == 10 and rows["diloco-e3m0-H5-rs"].H == 5
+    assert p.H == 10 and rows["diloco"].H == 10 and rows["diloco-4bit"].H == 5
     assert format_plan(p).startswith("plan: 4 workers, 30 inner steps, DiLoCo's outer.H = 10")
     # One key of [outer] otherwise: not that method, so outer.H is DiLoCo's as for any config.
     other = make_config(*TINY, *own, "outer.H=5", "run.steps=30", "outer.momentum=0.5")
@@ -265,19 +292,33 @@ def test_a_config_that_is_a_method_measured_at_a_fraction_of_H_plans_at_its_own_
 
 
 def test_the_default_job_plans_as_the_flagship_it_runs(make_config):
-    # examples/default.toml is GlobalM2-4bit-H5-d1-rs without the param_codec its measured runs
-    # carried: GlobalM2 sends no parameters, so that key does not make it another method.
-    cfg = load(Config, str(ROOT / "examples" / "default.toml"), [])
+    # examples/default.toml's [outer] is diloco-overlap's table at H = 5, as the plan prints it.
+    path = ROOT / "examples" / "default.toml"
+    cfg = load(Config, str(path), [])
     methods = load_penalties()["methods"]
-    assert methods["GlobalM2-4bit-H5-d1-rs"]["outer"]["param_codec"] != cfg.outer.param_codec
+    assert read_toml(path)["outer"] == pick_table(methods["diloco-overlap"]["outer"], 5)
     assert cfg.outer.H == 5 and baseline_H(cfg) == 10
-    # Where parameters are sent (GlobalM1LocalM2's Mix1), param_codec makes another method.
-    mix1 = method_config(
-        make_config(*TINY, "outer.H=5", "run.steps=30"),
-        methods["GlobalM1LocalM2-4bit-H5-d1"]["outer"],
-    )
-    assert baseline_H(mix1) == 10
-    assert baseline_H(method_config(mix1, {**to_dict(mix1)["outer"], "param_codec": "fp32"})) == 5
+    # A key the method does not read (param_codec: no parameters sent) does not make it another
+    # method; where parameters are sent (GlobalM1LocalM2's Mix1) it does.
+    assert baseline_H(method_config(cfg, {**to_dict(cfg)["outer"], "param_codec": "int8"})) == 10
+    at_half = {"fgd": {**methods["fgd"], "H_fraction": 0.5}}
+    mix1 = method_config(make_config(*TINY, "outer.H=5", "run.steps=30"), methods["fgd"]["outer"])
+    assert baseline_H(mix1, at_half) == 10
+    other = method_config(mix1, {**to_dict(mix1)["outer"], "param_codec": "fp32"})
+    assert baseline_H(other, at_half) == 5
+
+
+def test_diloco_overlap_is_the_measured_early_globalm2_on_the_clock(make_config):
+    # Its penalty was measured as fgd's GlobalM2 with Mix2 a step early; the table it ships is
+    # DiLoCo with [outer.diloco] overlap = 1, the same training: the same clock, to the bit.
+    lab = _benchmark().penalties(_benchmark().penalty_files())["methods"]
+    ours = load_penalties()["methods"]["diloco-overlap"]
+    assert lab[ours["run"]]["outer"]["fgd"] == {"preset": "GlobalM2", "mix2_delay": 1}
+    cfg = make_config(*TINY, "run.steps=30", "outer.H=5")
+    sim = SimSection(step_s=0.05, **LINKS)
+    measured = clock(method_config(cfg, lab[ours["run"]]["outer"]), sim)
+    shipped = clock(method_config(cfg, ours["outer"]), sim)
+    assert shipped.sim_s == measured.sim_s and shipped.bytes_sent == measured.bytes_sent
 
 
 def test_each_estimate_lies_between_its_fastest_and_slowest_seed(make_config):
@@ -377,6 +418,13 @@ BAD = [
     ("rate-count", ["--link-mbit", "1,2"], "--link-mbit = [1.0, 2.0]: give one rate > 0"),
     ("rate-zero", ["--link-mbit", "0"], "--link-mbit = [0.0]: give one rate > 0"),
     ("method", ["--link-mbit", "2", "--methods", "diloco,fast"], "--methods: unknown method"),
+    (
+        "run-name",  # a benchmark's run is no method a user can ask for
+        ["--link-mbit", "2", "--methods", "GlobalM1LocalM2-int8"],
+        "unknown method 'GlobalM1LocalM2-int8'; choose among diloco, diloco-4bit, diloco-overlap,",
+    ),
+    ("check-steps", ["--link-mbit", "2", "--check-steps", "4"], "add --check"),
+    ("check-zero", ["--link-mbit", "2", "--check", "--check-steps", "0"], "give 1 or more"),
     ("json-missing", ["--link-json", "nope.json"], "not a readable JSON file"),
 ]
 
@@ -417,7 +465,80 @@ def test_plan_times_one_warm_up_and_three_steps(config_file, tmp_path, capsys, m
     assert "mean of 3 inner steps after 1 warm-up" in out
     got = json.loads(out_json.read_text())
     assert (got["step_time"]["timed"], got["step_time"]["warmup"]) == (3, 1)
-    assert got["pick"] in AUTO_METHODS and out.splitlines()[-2].startswith(f"pick: {got['pick']}")
+    assert got["pick"] in AUTO_METHODS and f"\npick: {got['pick']} (" in out
+
+
+def _run_names() -> set[str]:
+    """The benchmark's run names that are no user's name for a method: none may be printed.
+    FGD's presets are the paper's words and config values (outer.fgd.preset), so they may."""
+    bench = _benchmark()
+    runs = set(bench.penalties(bench.penalty_files())["methods"]) | set(bench.METHODS)
+    return runs - set(AUTO_METHODS) - set(FGD_PRESETS)
+
+
+def _named(name: str, text: str) -> bool:
+    return re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", text) is not None
+
+
+def test_the_plan_names_methods_as_a_user_types_them(config_file, tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    args = ["--config", str(config_file), "--link-mbit", "2", "--json", str(out_json)]
+    code, out, _ = _cli(args, capsys)
+    assert code == 0
+    got = json.loads(out_json.read_text())
+    got.pop("penalties")  # provenance: the results files the penalties come from
+    for text in (out, json.dumps(got)):
+        assert [name for name in _run_names() if _named(name, text)] == []
+    assert [row["method"] for row in got["methods"]] == list(AUTO_METHODS)
+    assert {row["label"] for row in got["methods"]} == set(AUTO_METHODS.values())
+
+
+def test_write_gives_the_config_with_the_picks_outer(config_file, tmp_path, capsys):
+    written, out_json = tmp_path / "picked.toml", tmp_path / "plan.json"
+    args = ["--config", str(config_file), "--set", "run.steps=24", "--link-mbit", "2"]
+    code, out, _ = _cli([*args, "--write", str(written), "--json", str(out_json)], capsys)
+    assert code == 0 and f"wrote {written}" in out
+    plan = json.loads(out_json.read_text())
+    cfg = load_config(str(written))  # what `frugaltrain train --config` reads
+    given = load_config(str(config_file), ["run.steps=24"])
+    assert (
+        cfg.outer == build_config(Config, {"outer": plan["pick_outer"], "run": {"steps": 24}}).outer
+    )
+    assert cfg.outer.H == plan["pick_outer"]["H"]
+    assert {k: v for k, v in to_dict(cfg).items() if k != "outer"} == {
+        k: v for k, v in to_dict(given).items() if k != "outer"
+    }
+    assert read_toml(written)["outer"] == plan["pick_outer"]  # the table as printed, no more
+
+
+def test_check_steps_are_whole_rounds_of_both_methods():
+    assert plan_check.check_steps(20, [10, 5], 160) == 20
+    assert plan_check.check_steps(4, [6, 3], 12) == 6
+    assert plan_check.check_steps(100, [10, 5], 40) == 40
+    assert plan_check._time_to(2.5, [1.0, 3.0], [3.0, 2.0]) == pytest.approx(2.0)
+    assert plan_check._time_to(1.0, [1.0, 3.0], [3.0, 2.0]) is None
+
+
+def test_check_trains_the_pick_and_diloco_on_emulated_links(make_config, tmp_path, capsys):
+    sets = ("run.workers=2", "run.steps=12", "run.eval_every=0", "run.eval_batches=1")
+    path = tmp_path / "two.toml"
+    path.write_text(to_toml(make_config(*sets)))
+    out_json = tmp_path / "plan.json"
+    args = ["--config", str(path), "--link-mbit", "4", "--methods", "diloco-4bit"]
+    code, out, _ = _cli([*args, "--check", "--check-steps", "4", "--json", str(out_json)], capsys)
+    assert code == 0
+    got = json.loads(out_json.read_text())["check"]
+    assert got["steps"] == 6  # 4 rounded up to whole rounds of H = 6 (DiLoCo) and 3
+    assert [r["method"] for r in got["runs"]] == ["diloco", "diloco-4bit"]
+    assert got["measure"] in (plan_check.TIME_TO_LOSS, plan_check.EQUAL_STEPS)
+    assert got["x_diloco_measured_emulated"] > 0 and got["link_mbit_emulated"] == [4.0]
+    for r in got["runs"]:
+        ran = load_config(str(Path(r["run_dir"]) / "config.toml"))
+        assert ran.run.link_mbit == [4.0] and ran.run.stop_at_round == 6 // r["H"]
+    table = out[out.index("\ncheck: 6 inner steps") :]
+    assert "wall clock, s (measured, emulated links)" in table
+    assert "(measured, emulated links); the plan estimated" in table.splitlines()[-2]
+    assert [name for name in _run_names() if _named(name, out)] == []
 
 
 # ---------------------------------------------------------------- outer.strategy = "auto"
@@ -426,7 +547,8 @@ def test_plan_times_one_warm_up_and_three_steps(config_file, tmp_path, capsys, m
 def test_auto_needs_links_named_by_key(make_config):
     with pytest.raises(ConfigError, match=r"^outer.auto.link_mbit = \[\]: outer.strategy"):
         make_config(*TINY, "outer.strategy='auto'")
-    with pytest.raises(ConfigError, match="outer.auto.methods = \\['fast'\\]: 'fast' is no"):
+    names = "'fast' is no method; choose among diloco, diloco-4bit, diloco-overlap,"
+    with pytest.raises(ConfigError, match=r"outer.auto.methods = \['fast'\]: " + names):
         make_config(*TINY, "outer.strategy='auto'", "outer.auto.link_mbit=[2]",
                     "outer.auto.methods=['fast']")  # fmt: skip
     with pytest.raises(ConfigError, match="run.workers = 1: with one worker"):
@@ -447,8 +569,10 @@ def test_auto_runs_the_pick_and_a_resumed_run_keeps_it(make_config, tmp_path, ca
     pick = plan["pick"]
     assert cfg.outer.strategy in ("diloco", "fgd", "noloco", "streaming", "ddp")
     entry = load_penalties()["methods"][pick]
-    table = {**entry["outer"], "H": planner.method_H(make_config(*sets), entry)}  # at its H
-    assert cfg.outer == build_config(Config, {"outer": table, "run": {"steps": 12}}).outer
+    assert plan["pick_outer"]["H"] == planner.method_H(make_config(*sets), entry)  # at its H
+    assert (
+        cfg.outer == build_config(Config, {"outer": plan["pick_outer"], "run": {"steps": 12}}).outer
+    )
     logged = capsys.readouterr().out.splitlines()
     assert len(logged) == 1 and logged[0].startswith(f"outer.strategy = 'auto': running {pick}")
     assert "1 Mbit/s each (given)" in logged[0] and "s steps (measured)" in logged[0]
@@ -466,6 +590,17 @@ def test_auto_runs_the_pick_and_a_resumed_run_keeps_it(make_config, tmp_path, ca
         again, same_dir, ckpt = prepare(config, [], str(run_dir))
         assert same_dir == run_dir and ckpt == checkpoint.latest_intact(run_dir)
         assert to_dict(again)["outer"] == to_dict(cfg)["outer"]
+
+
+def test_auto_picks_among_the_methods_it_is_given(make_config, monkeypatch):
+    monkeypatch.setattr(planner, "measure_step_time", lambda cfg: StepTime(0.05, "measured"))
+    auto = ("outer.strategy='auto'", "outer.auto.link_mbit=[2]")
+    for methods in (["streaming", "fgd"], ["noloco"]):
+        cfg = make_config(*TINY, *auto, f"outer.auto.methods={methods!r}")
+        picked, plan = planner.resolve_auto(cfg)
+        assert plan.pick in methods and [r.method for r in plan.rows if r.candidate] == methods
+        strategy = load_penalties()["methods"][plan.pick]["outer"]["strategy"]
+        assert picked.outer.strategy == strategy and picked.outer.H == plan.outer["H"]
 
 
 # ---------------------------------------------------------------- the packaged penalties
@@ -505,15 +640,26 @@ def test_a_case_at_diloco_r_gets_the_rate_that_puts_its_all_reduce_there():
 def test_packaged_penalties_are_what_the_results_give():
     bench = _benchmark()
     files = bench.penalty_files()
-    # The planner offers only methods the benchmark measured in these files (each needs a
-    # penalty); each method's penalty comes from the first file that measured it.
+    # The planner offers only runs the benchmark measured in these files (each needs a
+    # penalty), under the names a user types; each run's penalty comes from the first file
+    # that measured it.
     measured = {m for _, record in files for m in record["methods"]}
-    assert set(AUTO_METHODS) <= set(bench.METHODS) and set(AUTO_METHODS) <= measured
+    assert set(bench.PLANNER) <= measured and list(bench.PLANNER.values()) == list(AUTO_METHODS)
     pen = load_penalties()
-    assert pen == json.loads(json.dumps(bench.penalties(files)))
-    assert pen["methods"]["GlobalM1LocalM2-int8"]["source"].endswith("time_to_loss_past_h10.json")
-    assert pen["methods"]["GlobalM1LocalM2"]["source"].endswith("time_to_loss_past_h10_rest.json")
+    assert pen == json.loads(json.dumps(bench.packaged_penalties(files)))
+    assert list(pen["methods"]) == list(AUTO_METHODS)
+    assert {m["run"] for m in pen["methods"].values()} == set(bench.PLANNER)
+    assert pen["methods"]["fgd"]["source"].endswith("time_to_loss_mix1_delta.json")
     assert pen["methods"]["diloco"]["source"].endswith("time_to_loss_past_h10.json")  # the first
+    lab = bench.penalties(files)["methods"]
+    assert lab["GlobalM1LocalM2"]["source"].endswith("time_to_loss_past_h10_rest.json")
+    for m in ("diloco", "diloco-4bit", "streaming", "fgd"):  # as measured: a user's tables
+        assert pen["methods"][m]["outer"] == lab[pen["methods"][m]["run"]]["outer"]
+    # The default job's run measured as fgd's GlobalM2 a step early: as a user writes it.
+    assert pen["methods"]["diloco-overlap"]["outer"] == {
+        "strategy": "diloco", "lr": 1.0, "momentum": 0, "codec": "e3m0",
+        "coded_average": "reduce_scatter", "diloco": {"overlap": 1},
+    }  # fmt: skip
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "sim/penalties.json" in pyproject["tool"]["setuptools"]["package-data"]["frugaltrain"]
 

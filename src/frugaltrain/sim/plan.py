@@ -1,10 +1,10 @@
 """Which outer method reaches DiLoCo's model quality soonest in wall clock on your links: the
 planner behind `frugaltrain plan` and `outer.strategy = "auto"`. It takes seconds.
 
-Per method (config.AUTO_METHODS: the examples' [outer] tables, at DiLoCo's H or the fraction of
-it a method was measured at: H = 5 against DiLoCo's 10 plans half of it). DiLoCo's H is the
-config's outer.H, unless the config is itself such a method: then it is twice, or whatever the
-fraction makes it (baseline_H):
+Per method (config.AUTO_METHODS, by the name a user types: each an [outer] table as measured,
+at DiLoCo's H or the fraction of it a method was measured at: H = 5 against DiLoCo's 10 plans
+half of it). DiLoCo's H is the config's outer.H, unless the config is itself such a method:
+then it is twice, or whatever the fraction makes it (baseline_H):
 
     step time      measured: 1 warm-up and 3 timed inner steps of this config's model, batch
                    and inner optimizer on this machine (step.inner_step), one step time for all
@@ -17,7 +17,8 @@ fraction makes it (baseline_H):
                    packaged penalties.json says on which corpus, tuned on which)
     time to loss   estimated: the clock at that fraction of run.steps, and its ratio to DiLoCo's
 
-The pick is the method with the shortest estimated time. Each method's estimate is also given at
+The pick is the method with the shortest estimated time, given as the [outer] table that runs it
+in this config (pick_table: its H resolved). Each method's estimate is also given at
 its fastest and its slowest measured seed; where the pick's and the next method's overlap, the
 reason says it is a near tie that the penalties cannot break. A method that never reached DiLoCo's
 loss in the measurements gets no estimate, and one this config cannot run (e.g. ddp with FORGE)
@@ -32,12 +33,21 @@ import math
 import statistics
 import time
 import warnings
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from frugaltrain.config import AUTO_METHODS, Config, ConfigError, build_config, to_dict
+from frugaltrain.config import (
+    AUTO_METHODS,
+    OUTER_KEYS,
+    Config,
+    ConfigError,
+    build_config,
+    to_dict,
+)
+from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.models import build_model
 from frugaltrain.optim import build_inner_optimizer, build_schedule
@@ -47,21 +57,20 @@ from frugaltrain.step import inner_step, worker_threads
 
 BASELINE = "diloco"
 PENALTIES = Path(__file__).with_name("penalties.json")
-"""Each method's [outer] table and measured step penalty, written from
-benchmarks/results/time_to_loss.json by `python benchmarks/time_to_loss.py --penalties`."""
+"""Each method's [outer] table and measured step penalty, by the names of config.AUTO_METHODS,
+written from benchmarks/results/ by `python benchmarks/time_to_loss.py --penalties` (each entry's
+"run" and "source": the run and the results file it was measured in)."""
 
 
 def load_penalties() -> dict:
     return json.loads(PENALTIES.read_text())
 
 
-def check_methods(names: list[str], key: str) -> None:
+def check_methods(names: list[str], key: str, known: Collection[str] = AUTO_METHODS) -> None:
     """Refuse a method the planner does not know, naming the flag or key it came from."""
     for name in names:
-        if name not in AUTO_METHODS:
-            raise ConfigError(
-                f"{key}: unknown method {name!r}; choose among {', '.join(AUTO_METHODS)}"
-            )
+        if name not in known:
+            raise ConfigError(f"{key}: unknown method {name!r}; choose among {', '.join(known)}")
 
 
 def method_H(cfg: Config, entry: dict, baseline: int | None = None) -> int:
@@ -75,7 +84,7 @@ def method_H(cfg: Config, entry: dict, baseline: int | None = None) -> int:
 def baseline_H(cfg: Config, methods: dict | None = None) -> int:
     """DiLoCo's outer.H in the plan: the config's, unless the config's [outer] table is a
     method measured at a fraction of DiLoCo's H; then its H over that fraction, so the method
-    plans at the H it runs (examples/default.toml: GlobalM2 in e3m0 at H = 5, measured against
+    plans at the H it runs (examples/default.toml: diloco-overlap at H = 5, measured against
     DiLoCo at 10, plans DiLoCo at 10 and itself at 5)."""
     own = _outer_without_H(cfg)
     for entry in (methods or load_penalties()["methods"]).values():
@@ -115,6 +124,24 @@ def method_config(
     with warnings.catch_warnings():  # the table holds only keys its strategy reads
         warnings.simplefilter("ignore")
         return build_config(Config, raw)
+
+
+def pick_table(outer: dict, H: int) -> dict:
+    """A method's [outer] table as a config writes it: strategy, H, then the keys of the
+    measured table its strategy reads (a measured table may carry others, e.g. ddp's lr), its
+    own sub-table included."""
+    strategy = outer["strategy"]
+    reads = OUTER_KEYS[strategy]
+    table = {"strategy": strategy, "H": H}
+    for key, value in outer.items():
+        if key == strategy or (key in reads and key not in table and not isinstance(value, dict)):
+            table[key] = copy.deepcopy(value)
+    return table
+
+
+def outer_toml(table: dict) -> str:
+    """An [outer] table (pick_table) as TOML, sub-tables ([outer.diloco]) after it."""
+    return section_toml("outer", table).rstrip("\n")
 
 
 # ---------------------------------------------------------------- what the plan is fed
@@ -275,6 +302,8 @@ class Row:
     """Among the methods to pick from (DiLoCo is always planned: the reference)."""
     H: int = 0
     """Its outer.H (method_H)."""
+    outer: dict = field(default_factory=dict)
+    """Its [outer] table at that H, as a config writes it (pick_table)."""
     util: float | None = None
     """Compute utilization on the simulated clock."""
     clock_s: float | None = None
@@ -294,6 +323,11 @@ class Row:
     """seeds_s over DiLoCo's time."""
     note: str = ""
 
+    @property
+    def label(self) -> str:
+        """The method in words (config.AUTO_METHODS)."""
+        return AUTO_METHODS.get(self.method, "")
+
 
 @dataclass
 class Plan:
@@ -310,13 +344,16 @@ class Plan:
     reason: str
     near_tie: str | None = None
     """The next method, where its estimates over the measured seeds overlap the pick's."""
+    outer: dict | None = None
+    """The pick's [outer] table at its outer.H (pick_table): what a config runs it with."""
 
 
 def _row(
     cfg: Config, name: str, entry: dict, links: Links, step: StepTime, pick: bool, baseline: int
 ) -> Row:
     H = method_H(cfg, entry, baseline)
-    row = Row(name, entry["outer"]["strategy"], pick, H, seeds=entry["reached"])
+    outer = pick_table(entry["outer"], H)
+    row = Row(name, entry["outer"]["strategy"], pick, H, outer, seeds=entry["reached"])
     per_seed = _seed_fractions(entry)
     # A method that needed more than DiLoCo's steps: its clock runs on past run.steps, in
     # whole rounds, to its slowest seed.
@@ -360,16 +397,17 @@ def make_plan(
     penalties: dict | None = None,
 ) -> Plan:
     """Every method's predicted time to DiLoCo's loss on `links` at `step`, and the pick among
-    `methods` (default: all of config.AUTO_METHODS); `penalties`: the step penalties' table
-    (default: the packaged one, `load_penalties`)."""
-    methods = list(methods or AUTO_METHODS)
-    check_methods(methods, "methods")
+    `methods` (default: all of the table's); `penalties`: the step penalties' table (default:
+    the packaged one, `load_penalties`, whose methods are config.AUTO_METHODS; the benchmark
+    passes its own, by run name)."""
+    pen = penalties or load_penalties()
+    methods = list(methods or pen["methods"])
+    check_methods(methods, "methods", pen["methods"])
     if cfg.run.workers < 2:
         raise ConfigError(
             f"run.workers = {cfg.run.workers}: with one worker every outer method is the same "
             "training; plan a run of 2 or more workers"
         )
-    pen = penalties or load_penalties()
     names = methods if BASELINE in methods else [BASELINE, *methods]
     H = baseline_H(cfg, pen["methods"])
     rows = [_row(cfg, m, pen["methods"][m], links, step, m in methods, H) for m in names]
@@ -383,6 +421,7 @@ def make_plan(
     meta = {k: v for k, v in pen.items() if k != "methods"}
     plan = Plan(cfg.run.workers, cfg.run.steps, H, step, links, meta, rows, None, "")
     plan.pick = ranked[0].method if ranked else None
+    plan.outer = ranked[0].outer if ranked else None
     plan.reason = _reason(ranked)
     if len(ranked) > 1 and _overlap(ranked[0], ranked[1]):
         plan.near_tie = ranked[1].method
@@ -438,8 +477,8 @@ def _f(value: float | None, fmt: str) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    """The plan as printed: what it was fed, one row per method (each column labelled), and
-    the pick with its reason on the last line."""
+    """The plan as printed: what it was fed, one row per method (each column labelled), the
+    pick with its reason, and last the pick's [outer] table to paste."""
     p, pen = plan, plan.penalties
     lines = [
         f"plan: {p.workers} workers, {p.steps} inner steps, DiLoCo's outer.H = {p.H}",
@@ -448,23 +487,33 @@ def format_plan(plan: Plan) -> str:
         + (f"; point-to-point at {p.links.p2p_ratio:.2f}x" if p.links.label == "measured" else ""),
         f"steps to DiLoCo's loss: measured on {pen['measured_on']} with {pen['workers']} "
         f"workers, {pen['steps']} steps, H = {pen['H']}, seeds {_seeds(pen['seeds'])} "
-        f"({pen['source']}, {pen['date'][:10]}); tuned on {pen['tuned_on']}",
+        f"({_files(pen['source'])}, {pen['date'][:10]}); tuned on {pen['tuned_on']}",
         "",
-        "| method | outer.H | U (simulated) | clock of run.steps, s (simulated) "
+        "| method | what it is | outer.H | U (simulated) | clock of run.steps, s (simulated) "
         "| steps to DiLoCo's loss, x DiLoCo's (measured) | time to DiLoCo's loss, s (estimated) "
         "| x DiLoCo (estimated) | x DiLoCo, fastest-slowest seed (estimated) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in p.rows:
         name = r.method if r.candidate else f"{r.method} (reference)"
         frac = "not reached" if r.steps_fraction is None else f"{r.steps_fraction:.2f}"
         frac += f" ({r.seeds} seeds)"
         lines.append(
-            f"| {name} | {r.H} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
+            f"| {name} | {r.label} | {r.H} | {_f(r.util, '.2f')} | {_f(r.clock_s, '.4g')} | {frac} "
             f"| {_f(r.time_s, '.4g')} | {_f(r.ratio, '.2f')} | {seed_span(r.seeds_ratio, '.2f')} |"
         )
     lines += [f"{r.method}: {r.note}" for r in p.rows if r.note.startswith("not for")]
-    lines.append(f"pick: {p.pick or '-'}: {p.reason}")
+    if p.pick is None:
+        lines.append(f"pick: -: {p.reason}")
+        return "\n".join(lines)
+    lines += [
+        f"pick: {p.pick} ({AUTO_METHODS.get(p.pick, p.pick)}): {p.reason}",
+        "",
+        "its [outer], at this config's H (in place of your [outer] table; --write FILE writes "
+        "your config with it):",
+        "",
+        outer_toml(p.outer),
+    ]
     return "\n".join(lines)
 
 
@@ -472,14 +521,22 @@ def _seeds(seeds: list[int]) -> str:
     return ", ".join(map(str, seeds))
 
 
+def _files(source: str) -> str:
+    """The penalties' results files, in a few words (--json names each)."""
+    files = source.split(", ")
+    return files[0] if len(files) == 1 else f"{len(files)} files of benchmarks/results/, in --json"
+
+
 def plan_json(plan: Plan) -> dict:
     """The same as JSON, each figure under a key that says what it is."""
     rows = [
         {
             "method": r.method,
+            "label": r.label,
             "strategy": r.strategy,
             "candidate": r.candidate,
             "H": r.H,
+            "outer": r.outer,
             "util_simulated": r.util,
             "clock_s_simulated": r.clock_s,
             "steps_fraction_measured": r.steps_fraction,
@@ -500,6 +557,8 @@ def plan_json(plan: Plan) -> dict:
         "penalties": plan.penalties,
         "methods": rows,
         "pick": plan.pick,
+        "pick_label": AUTO_METHODS.get(plan.pick, "") if plan.pick else None,
+        "pick_outer": plan.outer,
         "near_tie": plan.near_tie,
         "reason": plan.reason,
     }
@@ -510,7 +569,7 @@ def plan_json(plan: Plan) -> dict:
 
 def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
     """`cfg` with outer.strategy = 'auto' replaced by the method the plan picks on
-    [outer.auto]'s links (its example [outer], at its H: method_H), and the plan."""
+    [outer.auto]'s links (its [outer] table at its H: Plan.outer), and the plan."""
     a = cfg.outer.auto
     if a.link_json:
         links = read_probe(a.link_json, cfg.run.workers, "outer.auto.link_json")
@@ -522,5 +581,4 @@ def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
             f"outer.strategy = 'auto': {plan.reason}; set outer.strategy to a method, or "
             "outer.auto.methods to ones with an estimate"
         )
-    entry = load_penalties()["methods"][plan.pick]
-    return method_config(cfg, entry["outer"], H=method_H(cfg, entry, plan.H)), plan
+    return method_config(cfg, plan.outer, H=plan.outer["H"]), plan

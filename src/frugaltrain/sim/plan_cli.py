@@ -1,10 +1,16 @@
 """`frugaltrain plan`: which outer method reaches DiLoCo's model quality soonest in wall clock on
-your links, in seconds (sim/plan.py says how each figure is had and labelled).
+your links, in seconds (sim/plan.py says how each figure is had and labelled), and the [outer]
+table that runs it in your config.
 
     frugaltrain plan --config my.toml --link-mbit 22           # every worker's link, as stated
     frugaltrain plan --config my.toml --link-mbit 22,22,22,8   # or one rate per worker
     frugaltrain plan --config my.toml --link-json probe.json   # `frugaltrain netlab probe --out`
     frugaltrain plan --config my.toml --link-mbit 22 --methods diloco,streaming --json plan.json
+    frugaltrain plan --config my.toml --link-mbit 22 --write picked.toml
+                                        # my.toml with the pick's [outer]: `frugaltrain train
+                                        # --config picked.toml` runs it
+    frugaltrain plan --config my.toml --link-mbit 22 --check   # then train the pick and DiLoCo
+                                        # for a few steps on emulated links (sim/plan_check.py)
     torchrun --nnodes 4 --nproc-per-node 1 --rdzv-endpoint HOST:PORT -m frugaltrain plan \\
         --config my.toml                # on the workers: their own links, probed with the
                                         # model's bytes; worker 0 prints the plan
@@ -21,9 +27,21 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from frugaltrain.config import ArgumentParser, Config, ConfigError, add_set_flag, load_config
+from frugaltrain.config import (
+    AUTO_METHODS,
+    ArgumentParser,
+    Config,
+    ConfigError,
+    add_set_flag,
+    build_config,
+    load_config,
+    read_toml,
+)
+from frugaltrain.config.base import section_toml, with_overrides
 from frugaltrain.sim.plan import (
+    BASELINE,
     Links,
+    Plan,
     StepTime,
     check_methods,
     format_plan,
@@ -34,6 +52,7 @@ from frugaltrain.sim.plan import (
     plan_json,
     read_probe,
 )
+from frugaltrain.sim.plan_check import STEPS, check_json, format_check, run_check
 
 NO_LINKS = (
     "no links to plan on: pass --link-mbit RATE[,RATE...] (each worker's link, Mbit/s) or "
@@ -43,13 +62,33 @@ NO_LINKS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="frugaltrain plan", description=__doc__.splitlines()[0])
+    p = ArgumentParser(
+        prog="frugaltrain plan", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     p.add_argument("--config", help="TOML training config (see examples/)")
     add_set_flag(p)
     p.add_argument("--link-mbit", metavar="R[,R,...]", help="each worker's link, Mbit/s (given)")
     p.add_argument("--link-json", metavar="PROBE.json", help="a link probe's JSON (measured rates)")
-    p.add_argument("--methods", metavar="A,B,...", help="methods to pick from (default: all)")
+    p.add_argument(
+        "--methods",
+        metavar="A,B,...",
+        help=f"methods to pick from: {', '.join(AUTO_METHODS)} (default: all)",
+    )
     p.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
+    p.add_argument(
+        "--write", metavar="FILE", help="write the config (--config, --set) with the pick's [outer]"
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="then train the pick and DiLoCo a few steps each on emulated links at these rates",
+    )
+    p.add_argument(
+        "--check-steps",
+        type=int,
+        metavar="N",
+        help="inner steps per method of --check, rounded up to whole rounds (default: 20)",
+    )
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return _plan(args)
@@ -68,6 +107,7 @@ def _plan(args) -> int:
         raise ConfigError("--link-mbit and --link-json both give the links; pass one of them")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else []
     check_methods(methods, "--methods")
+    _check_flags(args)
     cfg = load_config(args.config, args.set)
     links = _links(args, cfg)
     if links is None and not _under_torchrun():
@@ -78,12 +118,61 @@ def _plan(args) -> int:
     else:
         step, is_rank0 = measure_step_time(cfg), True
     plan = make_plan(cfg, links, step, methods or None)
-    if is_rank0:
-        print(format_plan(plan))
-        if args.json:
-            Path(args.json).write_text(json.dumps(plan_json(plan), indent=1) + "\n")
-            print(f"wrote {args.json}")
+    if not is_rank0:
+        return 0
+    print(format_plan(plan), flush=True)
+    out = plan_json(plan)
+    if plan.outer is None and (args.write or args.check):
+        flag = "--write" if args.write else "--check"
+        raise ConfigError(f"{flag}: no method was picked ({plan.reason})")
+    if args.write:
+        Path(args.write).write_text(written_config(args, plan))
+        print(f"wrote {args.write}: your config with the pick's [outer]")
+    if args.check:
+        out["check"] = _check(cfg, plan, args.check_steps or STEPS)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
+
+
+def _check_flags(args) -> None:
+    """--write and --check refused where they cannot work, before any work."""
+    if args.check_steps is not None and not args.check:
+        raise ConfigError("--check-steps sets the steps of --check; add --check")
+    if args.check_steps is not None and args.check_steps < 1:
+        raise ConfigError(f"--check-steps {args.check_steps}: give 1 or more inner steps")
+    if args.check and _under_torchrun():
+        raise ConfigError(
+            "--check starts its own local workers; run the plan with --link-mbit or --link-json "
+            "outside torchrun"
+        )
+    if args.write and Path(args.write).is_dir():
+        raise ConfigError(f"--write {args.write}: a directory; give a file name, e.g. picked.toml")
+
+
+def written_config(args, plan: Plan) -> str:
+    """The user's config as given (the file's tables with --set applied) with the pick's [outer]
+    in place of its own, as TOML that `frugaltrain train --config` reads back."""
+    raw = with_overrides(read_toml(args.config) if args.config else {}, args.set)
+    raw["outer"] = plan.outer
+    build_config(Config, raw)  # the plan ran this method on this config: it must build
+    label = AUTO_METHODS.get(plan.pick, plan.pick)
+    head = (
+        f"# {args.config or 'the default config'} with `frugaltrain plan`'s pick for "
+        f"{plan.links.what} ({plan.links.label}): {plan.pick}, {label}\n"
+    )
+    return head + "".join(section_toml(name, table) for name, table in raw.items())
+
+
+def _check(cfg: Config, plan: Plan, steps: int) -> dict | None:
+    if plan.pick == BASELINE:
+        print("check: the pick is DiLoCo itself, the reference; nothing to compare")
+        return None
+    print()
+    checked = run_check(cfg, plan, steps)
+    print(format_check(checked, cfg.run.steps))
+    return check_json(checked)
 
 
 def _links(args, cfg: Config) -> Links | None:
