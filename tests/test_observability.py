@@ -300,6 +300,23 @@ def test_evaluation_without_diagnostics_reports_the_same_loss_and_no_agreement(
         assert "loss/val_avg_model" not in off and "loss/val_workers" not in off
 
 
+def test_a_baseline_takes_overrides_of_its_own_checked_before_any_work(make_config, tmp_path):
+    from frugaltrain.train.baseline import baseline_config
+
+    cfg = make_config("outer.strategy='diloco'", "outer.diloco.overlap=1", "outer.codec='e3m0'")
+    base = baseline_config(cfg, "diloco", ["outer.H=12"])
+    assert (base.outer.H, base.outer.diloco.overlap, base.outer.codec) == (12, 0, "fp32")
+    assert (cfg.outer.H, cfg.run.name) == (6, base.run.name.removesuffix("-diloco"))
+    with pytest.raises(ConfigError, match="unknown key outer.Hx"):
+        baseline_config(cfg, "diloco", ["outer.Hx=12"])
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(cfg))
+    args = ["train", "--config", str(path), "--baseline-set", "outer.H=12"]
+    assert cli.main(args) == 2  # --baseline-set without --baseline
+    assert cli.main([*args, "--baseline", "diloco", "--baseline-set", "outer.H=7"]) == 2
+    assert not list(Path(cfg.run.out_dir).glob("*/metrics.jsonl"))  # refused before any work
+
+
 def test_a_run_beside_its_baseline_plots_both_against_wall_clock(make_config, tmp_path, capsys):
     from frugaltrain.metrics.log import read_metrics
     from frugaltrain.metrics.report import wall_curve
@@ -313,7 +330,7 @@ def test_a_run_beside_its_baseline_plots_both_against_wall_clock(make_config, tm
     path.write_text(to_toml(cfg))
     assert cli.main(["train", "--config", str(path), "--baseline", "diloco"]) == 0
     out = capsys.readouterr().out
-    assert "fgd int8 beside diloco (baseline measured now" in out  # the codec tells them apart
+    assert "fgd int8, H = 6 beside diloco, H = 6 (baseline measured now" in out  # codec tells
     plot = Path(out.split("plot: ")[-1].split()[0])
     assert plot.name == "beside_diloco.png" and plot.stat().st_size > 0
     theirs = read_metrics(baseline_dir(baseline_config(cfg, "diloco")) / "metrics.jsonl")

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from frugaltrain.train.launch import train_from_cli
 
-            return train_from_cli(args.config, overrides(args), args.resume, args.baseline)
+            return train_from_cli(
+                args.config, overrides(args), args.resume, args.baseline, args.baseline_set
+            )
         if args.command in ("coordinator", "join"):
             return _machines(args)
         if args.command == "report":

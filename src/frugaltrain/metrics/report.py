@@ -196,11 +196,12 @@ def format_comparison(
         target = theirs.get("loss/val_last")
         a, b = (None, None) if target is None else (time_to_loss(r, target) for r in records)
         reached = "-" if target is None else "not reached"
-        name = f"wall s to {names[1]}'s final val loss ({clock})"
+        name = f"wall s to the baseline's final val loss ({clock})"
         table.append((name, _fmt(a) if a is not None else reached, _fmt(b), _ratio(a, b, reached)))
     width = max(len(name) for name, *_ in table)
-    lines = [f"{'metric':<{width}}{names[0]:>12}{names[1]:>12}{'ratio':>12}"]
-    lines += [f"{name:<{width}}{a:>12}{b:>12}{ratio:>12}" for name, a, b, ratio in table]
+    lines = [f"run: {names[0]}; baseline: {names[1]}"]
+    lines += [f"{'metric':<{width}}{'run':>12}{'baseline':>12}{'run/baseline':>14}"]
+    lines += [f"{n:<{width}}{a:>12}{b:>12}{r:>14}" for n, a, b, r in table]
     return "\n".join(lines)
 
 

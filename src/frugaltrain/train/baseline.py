@@ -2,6 +2,7 @@
 Factored Gossip DiLoCo), measured in the same command or reused from an earlier one.
 
     frugaltrain train --config examples/default.toml --baseline diloco
+    frugaltrain train --config examples/default.toml --baseline diloco --baseline-set outer.H=10
 
 The launcher prints both runs' figures side by side, with the wall clock each took to reach the
 baseline's final validation loss as a ratio of the baseline's, and draws their validation loss
@@ -16,12 +17,14 @@ the same config; any change runs it again.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from frugaltrain.config import (
     OUTER_KEYS,
     Config,
     ConfigError,
+    build_config,
     outer_for,
     strategy_sections,
     to_dict,
@@ -43,10 +46,11 @@ def check_baseline(strategy: str) -> None:
         raise ConfigError(f"--baseline {strategy!r}: choose one of {', '.join(methods)}")
 
 
-def baseline_config(cfg: Config, strategy: str) -> Config:
+def baseline_config(cfg: Config, strategy: str, sets: Sequence[str] = ()) -> Config:
     """`cfg` under `strategy`, with the [outer] keys that strategy does not read, the codec
     keys (EXACT) and its own sub-section at their defaults: the method as its paper has it,
-    at the run's H and outer step (DiLoCo's baseline of a DiLoCo run sent early blocks)."""
+    at the run's H and outer step (DiLoCo's baseline of a DiLoCo run sent early blocks); then
+    `sets` (`--baseline-set KEY=VALUE`: the baseline's own H, say), checked as any --set."""
     check_baseline(strategy)
     outer = outer_for(cfg.outer, strategy)
     exact = {f.name: f.default for f in dataclasses.fields(outer) if f.name in EXACT}
@@ -55,17 +59,18 @@ def baseline_config(cfg: Config, strategy: str) -> Config:
         exact[strategy] = own()
     outer = dataclasses.replace(outer, **exact)
     run = dataclasses.replace(cfg.run, name=f"{cfg.run.name}-{strategy}", progress=False)
-    return dataclasses.replace(cfg, outer=outer, run=run)
+    base = dataclasses.replace(cfg, outer=outer, run=run)
+    return build_config(Config, to_dict(base), list(sets)) if sets else base
 
 
 def method_label(cfg: Config) -> str:
-    """The outer strategy, its codec when it is not fp32 and DiLoCo's overlap when it has one:
-    what tells a run from its baseline when both are the same strategy."""
+    """The outer strategy, its codec when it is not fp32, DiLoCo's overlap when it has one and
+    H: what tells a run from its baseline when both are the same strategy."""
     o = cfg.outer
     label = o.strategy if o.codec == "fp32" else f"{o.strategy} {o.codec}"
     if o.strategy == "diloco" and o.diloco.overlap:
         label += f", sent {o.diloco.overlap} step{'s' if o.diloco.overlap > 1 else ''} early"
-    return label
+    return label if o.strategy == "ddp" else f"{label}, H = {o.H}"
 
 
 def baseline_dir(cfg: Config) -> Path:
@@ -75,10 +80,10 @@ def baseline_dir(cfg: Config) -> Path:
     return Path(cfg.run.out_dir) / "baselines" / f"{cfg.outer.strategy}-{checkpoint.digest(keys)}"
 
 
-def run_baseline(cfg: Config, strategy: str, run) -> tuple[dict, str]:
+def run_baseline(cfg: Config, strategy: str, run, sets: Sequence[str] = ()) -> tuple[dict, str]:
     """The baseline's summary, and whether it was measured now or cached (run(cfg, run_dir)
     trains; it is the launcher's)."""
-    base = baseline_config(cfg, strategy)
+    base = baseline_config(cfg, strategy, sets)
     run_dir = baseline_dir(base)
     if (run_dir / "summary.json").is_file():
         return report(run_dir, quiet=True), f"cached from an earlier run ({run_dir})"
@@ -89,19 +94,22 @@ def run_baseline(cfg: Config, strategy: str, run) -> tuple[dict, str]:
     return report(run_dir, quiet=True), f"measured now ({run_dir})"
 
 
-def beside_records(cfg: Config, run_dir: Path, strategy: str) -> tuple[list[dict], list[dict]]:
+def beside_records(
+    cfg: Config, run_dir: Path, strategy: str, sets: Sequence[str] = ()
+) -> tuple[list[dict], list[dict]]:
     """The run's and its baseline's metrics records."""
-    base_dir = baseline_dir(baseline_config(cfg, strategy))
+    base_dir = baseline_dir(baseline_config(cfg, strategy, sets))
     return read_metrics(run_dir / "metrics.jsonl"), read_metrics(base_dir / "metrics.jsonl")
 
 
-def plot_beside(cfg: Config, run_dir: Path, strategy: str) -> Path:
+def plot_beside(cfg: Config, run_dir: Path, strategy: str, sets: Sequence[str] = ()) -> Path:
     """The run's and its baseline's validation loss against wall clock, as run_dir/
     beside_STRATEGY.png (each on its own clock: measured, or on emulated links)."""
-    ours, theirs = beside_records(cfg, run_dir, strategy)
+    ours, theirs = beside_records(cfg, run_dir, strategy, sets)
+    base = baseline_config(cfg, strategy, sets)
     runs = [
         (f"{method_label(cfg)} ({run_dir.name}, {_clock(ours)})", ours),
-        (f"{method_label(baseline_config(cfg, strategy))} (baseline, {_clock(theirs)})", theirs),
+        (f"{method_label(base)} (baseline, {_clock(theirs)})", theirs),
     ]
     return plot_loss_vs_wall(runs, run_dir / f"beside_{strategy}.png")
 

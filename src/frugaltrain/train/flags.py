@@ -58,6 +58,13 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         "and print the two side by side",
     )
     p.add_argument(
+        "--baseline-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override of the baseline's config alone, e.g. outer.H=10 (repeatable)",
+    )
+    p.add_argument(
         "--inject",
         help="faults, e.g. 'kill:worker=2,round=5' (fault_tolerance.inject); turns on "
         "fault_tolerance.enabled",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -409,7 +410,11 @@ def _resumable(config_path: str | None, overrides: list[str], resume: str):
 
 
 def train_from_cli(
-    config_path: str | None, overrides: list[str], resume: str | None, baseline: str | None = None
+    config_path: str | None,
+    overrides: list[str],
+    resume: str | None,
+    baseline: str | None = None,
+    baseline_sets: Sequence[str] = (),
 ) -> int:
     from frugaltrain.metrics.report import format_comparison, report
 
@@ -420,7 +425,13 @@ def train_from_cli(
         check_baseline(baseline)
     if baseline and torchrun:
         raise ConfigError("--baseline runs a second local run; launch the baseline on its own")
+    if baseline_sets and not baseline:
+        raise ConfigError("--baseline-set changes a baseline; add --baseline STRATEGY or drop it")
     cfg, run_dir, ckpt = prepare(config_path, overrides, resume)
+    if baseline:  # its overrides are refused here too, before any work
+        from frugaltrain.train.baseline import baseline_config
+
+        baseline_config(cfg, baseline, baseline_sets)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine: what --resume reads there
         (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -445,10 +456,10 @@ def train_from_cli(
                 run_baseline,
             )
 
-            theirs, where = run_baseline(cfg, baseline, run)
-            names = (method_label(cfg), method_label(baseline_config(cfg, baseline)))
-            records = beside_records(cfg, run_dir, baseline)
+            theirs, where = run_baseline(cfg, baseline, run, baseline_sets)
+            names = (method_label(cfg), method_label(baseline_config(cfg, baseline, baseline_sets)))
+            records = beside_records(cfg, run_dir, baseline, baseline_sets)
             print(f"\n{names[0]} beside {names[1]} (baseline {where}):")
             print(format_comparison(summary, theirs, names, records))
-            print(f"plot: {plot_beside(cfg, run_dir, baseline)}")
+            print(f"plot: {plot_beside(cfg, run_dir, baseline, baseline_sets)}")
     return 0
