@@ -20,7 +20,7 @@ from gloo_pool import free_port
 
 from frugaltrain.comm import topology
 from frugaltrain.comm.base import Comm, Exchange, Handle, ring_allreduce_bytes
-from frugaltrain.comm.pacing import Pacer, links_label, pacer_of
+from frugaltrain.comm.pacing import PAYLOAD_SHARE, Pacer, links_label, pacer_of
 from frugaltrain.config import ConfigError
 from frugaltrain.metrics.report import format_comparison, format_summary, summarize, time_to_loss
 from frugaltrain.train.flags import add_train_flags, overrides
@@ -45,7 +45,7 @@ class FakeClock:
 
 def fake_pacer(mbit: float = MBIT) -> tuple[Pacer, FakeClock]:
     clock = FakeClock()
-    return Pacer(mbit, clock=clock, sleep=clock.sleep), clock
+    return Pacer(mbit, payload_share=1.0, clock=clock, sleep=clock.sleep), clock
 
 
 # ---------------------------------------------------------------- the pacer alone
@@ -104,6 +104,8 @@ def test_pacer_of_gives_each_worker_its_rate_and_a_replica_shares_its_link():
     assert pacer_of([20.0, 8.0], 1, shards=2).mbit == 4.0
     with pytest.raises(ValueError, match="> 0"):
         Pacer(0.0)
+    clock = FakeClock()  # by default a link of R carries PAYLOAD_SHARE x R of payload
+    assert Pacer(8.0, clock=clock).post(900_000, 0) == pytest.approx(7.2 / (PAYLOAD_SHARE * 8))
     assert links_label([20.0]) == "emulated 20 Mbit/s"
     assert links_label([20.0, 20.0, 5.5]) == "emulated 20,20,5.5 Mbit/s"
 
@@ -226,7 +228,7 @@ def _gloo_worker(rank: int, port: int, out) -> None:
             comm = TorchDistComm()
             clock = FakeClock()
             if paced:
-                comm.pacer = Pacer(MBIT, clock=clock, sleep=clock.sleep)
+                comm.pacer = Pacer(MBIT, payload_share=1.0, clock=clock, sleep=clock.sleep)
             values, ends = [], []
             for kind, codec, blocking in (
                 ("average", "fp32", True),
@@ -352,12 +354,14 @@ def test_the_side_by_side_gives_the_time_to_the_baselines_loss_as_a_ratio():
     ours = _rounds([10.0, 20.0, 30.0], [2.5, 1.5, 1.0], "emulated 20 Mbit/s")
     theirs = _rounds([20.0, 40.0], [2.0, 1.5], "emulated 20 Mbit/s")
     text = format_comparison(summarize(ours), summarize(theirs), ("fgd", "diloco"), (ours, theirs))
-    row = next(line for line in text.splitlines() if line.startswith("wall s to diloco's final"))
+    row = next(
+        line for line in text.splitlines() if line.startswith("wall s to the baseline's final")
+    )
     assert "emulated 20 Mbit/s links" in row
     assert row.split()[-3:] == ["20", "40", "0.500"]  # ours reached 1.5 at 20 s, theirs at 40 s
     slow = _rounds([10.0, 20.0], [2.5, 1.8], None)
     text = format_comparison(summarize(slow), summarize(theirs), ("fgd", "diloco"), (slow, theirs))
-    assert text.splitlines()[-1].endswith("not reached          40 not reached")
+    assert text.splitlines()[-1].endswith("not reached          40   not reached")
 
 
 def test_an_emulated_runs_summary_and_plot_say_so(tmp_path, monkeypatch, make_config):
@@ -380,6 +384,6 @@ def test_an_emulated_runs_summary_and_plot_say_so(tmp_path, monkeypatch, make_co
     monkeypatch.setattr(baseline, "plot_loss_vs_wall", lambda runs, path: labels.extend(runs))
     baseline.plot_beside(cfg, Path(run_dir), "diloco")
     assert [label for label, _ in labels] == [
-        "fgd (run, measured, emulated 20,5 Mbit/s links)",
-        "diloco (baseline, measured, emulated 20,5 Mbit/s links)",
+        "fgd, H = 6 (run, measured, emulated 20,5 Mbit/s links)",
+        "diloco, H = 6 (baseline, measured, emulated 20,5 Mbit/s links)",
     ]
