@@ -1234,11 +1234,11 @@ RETUNE_GRID = (  # each method's outer steps on stdlib: as shipped, then momentu
     ("diloco", "diloco-m0-lr1.0", "diloco-m0-lr1.26", "diloco-m0-lr1.6"),
     ("GlobalM1LocalM2-int8", "int8-m0-lr1.0", "int8-m0-lr1.26", "int8-m0-lr1.6"),
 )
-RETUNE_PAIRS = (  # the flagship over DiLoCo, both retuned, then both as shipped
+RETUNE_PAIRS = (  # int8 FGD over DiLoCo, both retuned, then both as shipped
     ("int8-m0-lr1.26", "diloco-m0-lr1.26"),
     ("GlobalM1LocalM2-int8", "diloco"),
 )
-RETUNE_GRID_H10 = (  # the same at H = 10; lr 1.6 dropped for the flagship (worst at H = 50)
+RETUNE_GRID_H10 = (  # the same at H = 10; lr 1.6 dropped for int8 FGD (worst at H = 50)
     ("diloco", "diloco-m0-lr1.0", "diloco-m0-lr1.26", "diloco-m0-lr1.6"),
     ("GlobalM1LocalM2-int8", "int8-m0-lr1.0", "int8-m0-lr1.26"),
 )
@@ -1270,7 +1270,7 @@ STREAMING_GRID_H10 = (  # Streaming's own step at H = 10 beside DiLoCo's (its H 
 EVERY_H10_FILES = (  # every method's own step at H = 10 (momentum 0), and the probes beside it
     "fgd_retune_all_grid_h10.json",
     "fgd_h10_probes.json",
-    "fgd_corpora_h10_mix1_delta.json",  # the int8 flagship at lr 1.0, on the same machine
+    "fgd_corpora_h10_mix1_delta.json",  # int8 FGD at lr 1.0, on the same machine
 )
 EVERY_H10_GRID = (
     ("diloco", "diloco-lr0.8"),
@@ -1286,7 +1286,7 @@ EVERY_H10_PROBES = (  # other settings at lr 1.0: Streaming's overlap, FGD's Mix
     ("GlobalM1LocalM2-4bit-lr1.0", "GlobalM1LocalM2-4bit-late"),
 )
 H5_FILES = ("fgd_h5_probe.json", "fgd_h5_probe_others.json")  # rounds twice as often
-RS_H5_GRID = (  # the flagship's outer step by the rule at its own H = 5, DiLoCo at H = 10 beside
+RS_H5_GRID = (  # 4-bit rs DiLoCo's outer step by the rule at its H = 5, DiLoCo at H = 10 beside
     ("diloco",),
     tuple(f"diloco-e3m0-H5-rs{lr}" for lr in ("-lr0.8", "", "-lr1.26")),
 )
@@ -1343,7 +1343,7 @@ LOWBIT_FILES = (  # 4 bits from its own files (stdlib; doc and include), 2 and 1
     "fgd_lowbit_probe.json",
     "fgd_lowbit_report.json",
 )
-LOWBIT_PAIRS = (  # the flagship's round in 4, 2 and 1 bits, the last two with error feedback
+LOWBIT_PAIRS = (  # DiLoCo's rs round at H = 5 in 4, 2 and 1 bits, the last two with error feedback
     ("diloco-e3m0-H5-rs", "diloco"),
     ("diloco-2bit-H5-rs", "diloco"),
     ("diloco-1bit-H5-rs", "diloco"),
@@ -1382,9 +1382,9 @@ DILOCO_RS_JOB_FILES = (
     "default_job_report_include_diloco.json",
     "default_job_report_rs_include.json",
 )
-FLAGSHIP_JOB = "GlobalM2-4bit-H5-d1-rs"  # the default job: DiLoCo's round a step early, rs
-FLAGSHIP_JOB_PAIRS = ((f"{FLAGSHIP_JOB}-m0-lr1.0", "diloco-m0-lr1.0"),)  # the pick
-FLAGSHIP_JOB_FILES = (
+DILOCO_RS_OVERLAP_JOB = "GlobalM2-4bit-H5-d1-rs"  # the default job: DiLoCo, rs, a step early
+DILOCO_RS_OVERLAP_JOB_PAIRS = ((f"{DILOCO_RS_OVERLAP_JOB}-m0-lr1.0", "diloco-m0-lr1.0"),)
+DILOCO_RS_OVERLAP_JOB_FILES = (
     "default_job_grid_globalm2_a.json",
     "default_job_grid_globalm2_b.json",
     "default_job_grid_rs_a.json",  # DiLoCo at the job's H = 16 on stdlib
@@ -1397,49 +1397,33 @@ E3M0_GRID = (("diloco", "diloco-e3m0-m0-lr1.0", "diloco-e3m0-m0-lr1.26", "diloco
 E3M0_PAIRS = (("diloco-e3m0-m0-lr1.26", "diloco"),)  # the pick over DiLoCo at its own
 
 
-PAST = ("time_to_loss_past_h10_r1_slow.json", "time_to_loss_past_h10.json")  # r1; r2
-README_LINKS = (  # (label, method, the files it was measured in)
-    ("Streaming DiLoCo: 2 fragments, 4-bit, H = 10", "streaming", PAST),
-    ("DiLoCo, 4-bit, H = 10", "diloco-e3m0", PAST),
-    ("FGD as in the examples: GlobalM1LocalM2, Mix2 in int8, H = 10", "GlobalM1LocalM2-int8", PAST),
-    ("FGD, both mixes 4-bit, H = 5, Mix2 a step early", "GlobalM1LocalM2-4bit-H5-d1",
-     ("time_to_loss_h5_codec.json",)),
-    ("DiLoCo, 4-bit, H = 5", "diloco-e3m0-H5", ("time_to_loss_globalm2.json",)),
-    ("FGD `GlobalM2` (DiLoCo's round), 4-bit, H = 5, Mix2 a step early", "GlobalM2-4bit-H5-d1",
-     ("time_to_loss_globalm2.json",)),
-    ("DiLoCo, 4-bit as a reduce-scatter, H = 5 (the flagship before)", "diloco-e3m0-H5-rs",
-     ("time_to_loss_reduce_scatter.json",)),
-    ("FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
-     "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_reduce_scatter.json",)),
-    ("DiLoCo, 4-bit as a reduce-scatter, H = 5 (the flagship before)", "diloco-e3m0-H5-rs",
-     ("time_to_loss_at_r.json",)),
-    ("**The flagship**: FGD `GlobalM2`, 4-bit as a reduce-scatter, H = 5, Mix2 a step early",
-     "GlobalM2-4bit-H5-d1-rs", ("time_to_loss_at_r.json",)),
-    ("The flagship, seeds 3, 4, 5", "GlobalM2-4bit-H5-d1-rs",
-     ("time_to_loss_at_r1_seeds345.json", "time_to_loss_at_r2_seeds345.json")),
+HEADLINE = "time_to_loss_headline.json"
+HEADLINE_ROWS = (  # (label, method) of README's headline, all from one run
+    ("DiLoCo (fp32, H = 10)", "diloco"),
+    ("Streaming DiLoCo (2 fragments, 4-bit, H = 10)", "streaming"),
+    ("**the default job** (DiLoCo, 4-bit, reduce-scatter, sent a step early, H = 5)",
+     "default-job"),
 )  # fmt: skip
-README_LINK_FILES = tuple(dict.fromkeys(f for _, _, names in README_LINKS for f in names))
 
 
-def readme_links(files: list[dict]) -> str:
-    """The README's summary: each method's time to DiLoCo's loss where DiLoCo's r was about 1
-    and about 2, with the r its run measured, from the run (results file) it was measured in."""
-    records = dict(zip(README_LINK_FILES, files, strict=True))
+def readme_headline(files: list[dict]) -> str:
+    """README's headline: each method's wall clock to DiLoCo's final loss over DiLoCo's, and its
+    loss at DiLoCo's last step over DiLoCo's, from one run over shaped links."""
+    record = files[0]
+    (case,) = record["cases"]
+    r = time_to_loss_diloco_r(record, case)
     lines = [
-        "| method | where DiLoCo's r is about 1, x DiLoCo | where it is about 2, x DiLoCo "
-        "| results file |",
-        "|---|---|---|---|",
+        f"| method | time to DiLoCo's final loss, x DiLoCo (mean, range over {len(record['seeds'])}"
+        " seeds) | loss at DiLoCo's last step, x DiLoCo (mean, worst seed) |",
+        "|---|---|---|",
     ]
-    for label, method, names in README_LINKS:
-        cells = {}
-        for name in names:
-            for a in time_to_loss_analyze(records[name]):
-                if a["method"] == method and a["case"] not in cells:
-                    r = time_to_loss_diloco_r(records[name], a["case"])
-                    cells[a["case"]] = f"{time_to_loss_fmt_ratios(a['ratios'])} at r {r:.2f}"
-        where = ", ".join(f"`{n}`" for n in names)
-        lines.append(f"| {label} | {cells.get('r1', '-')} | {cells.get('r2', '-')} | {where} |")
-    return "\n".join(lines)
+    found = {a["method"]: a for a in time_to_loss_analyze(record)}
+    for label, method in HEADLINE_ROWS:
+        a = found[method]
+        final = a["final_x"]
+        loss = f"{statistics.mean(final):.4f} ({max(final):.4f})" if final else "-"
+        lines.append(f"| {label} | {time_to_loss_fmt_ratios(a['ratios'])} | {loss} |")
+    return "\n".join(lines) + f"\n\nDiLoCo's exchange took {r:.2f}x its compute per round here."
 
 
 def _time_to_loss(file: str, render: Callable[[dict], str]) -> Table:
@@ -1532,9 +1516,9 @@ TABLES = {
         + ("compression_sparse_lr_h10.json", "fgd_momentum_h10.json", "fgd_momentum_h50_h100.json"),
         compression_outer_pilot,
     ),
-    "time-to-loss-flagship-links": _time_to_loss("time_to_loss_flagship.json", links_table),
-    "time-to-loss-flagship": _time_to_loss("time_to_loss_flagship.json", time_to_loss_table),
-    "time-to-loss-flagship-plan": _plan("time_to_loss_flagship.json", PENALTY_FILES_BEFORE),
+    "time-to-loss-int8-links": _time_to_loss("time_to_loss_int8_fgd.json", links_table),
+    "time-to-loss-int8": _time_to_loss("time_to_loss_int8_fgd.json", time_to_loss_table),
+    "time-to-loss-int8-plan": _plan("time_to_loss_int8_fgd.json", PENALTY_FILES_BEFORE),
     "time-to-loss-retuned-links": _time_to_loss("time_to_loss_retuned_h10.json", links_table),
     "time-to-loss-retuned": _time_to_loss("time_to_loss_retuned_h10.json", time_to_loss_table),
     "time-to-loss-retuned-streaming": _time_to_loss(
@@ -1576,7 +1560,7 @@ TABLES = {
     "time-to-loss-h5-d1-plan": _plan("time_to_loss_h5_d1.json"),
     "time-to-loss-codec-links": _time_to_loss("time_to_loss_h5_codec.json", links_table),
     "time-to-loss-codec": _time_to_loss("time_to_loss_h5_codec.json", time_to_loss_table),
-    "readme-links": Table("README.md", README_LINK_FILES, readme_links),
+    "readme-headline": Table("README.md", (HEADLINE,), readme_headline),
     "time-to-loss-globalm2-links": _time_to_loss("time_to_loss_globalm2.json", links_table),
     "time-to-loss-globalm2": _time_to_loss("time_to_loss_globalm2.json", time_to_loss_table),
     "time-to-loss-globalm2-split": _time_to_loss("time_to_loss_globalm2.json", time_split_table),
@@ -1669,7 +1653,7 @@ TABLES = {
     ),
     "fgd-corpora": Table(
         "docs/results/fgd.md",
-        ("fgd_corpora_base.json", "fgd_corpora_4x.json", "fgd_corpora_4x_flagship.json"),
+        ("fgd_corpora_base.json", "fgd_corpora_4x.json", "fgd_corpora_4x_default_job.json"),
         fgd_corpora,
     ),
     "fgd-late": Table("docs/results/fgd.md", ("fgd_late_probe.json",), fgd_corpora),
@@ -1787,11 +1771,13 @@ TABLES = {
     "diloco-rs-job-pairs": Table(
         "docs/models.md", DILOCO_RS_JOB_FILES, hf_pair_ratios(DILOCO_RS_JOB_PAIRS)
     ),
-    "flagship-job-choice": Table(
-        "docs/models.md", FLAGSHIP_JOB_FILES[:2], hf_outer_choice(_job_grid(FLAGSHIP_JOB))
+    "diloco-rs-overlap-job-choice": Table(
+        "docs/models.md",
+        DILOCO_RS_OVERLAP_JOB_FILES[:2],
+        hf_outer_choice(_job_grid(DILOCO_RS_OVERLAP_JOB)),
     ),
-    "flagship-job-pairs": Table(
-        "docs/models.md", FLAGSHIP_JOB_FILES, hf_pair_ratios(FLAGSHIP_JOB_PAIRS)
+    "diloco-rs-overlap-job-pairs": Table(
+        "docs/models.md", DILOCO_RS_OVERLAP_JOB_FILES, hf_pair_ratios(DILOCO_RS_OVERLAP_JOB_PAIRS)
     ),
     "e3m0-choice": Table(
         "docs/results/compression.md",
