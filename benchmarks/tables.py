@@ -1399,7 +1399,7 @@ E3M0_PAIRS = (("diloco-e3m0-m0-lr1.26", "diloco"),)  # the pick over DiLoCo at i
 
 HEADLINE = "time_to_loss_headline.json"
 HEADLINE_ROWS = (  # (label, method) of README's headline, all from one run
-    ("DiLoCo (fp32, H = 10)", "diloco"),
+    ("DiLoCo (32-bit, H = 10)", "diloco"),
     ("Streaming DiLoCo (2 fragments, 4-bit, H = 10)", "streaming"),
     ("**the default job** (DiLoCo, 4-bit, reduce-scatter, sent a step early, H = 5)",
      "default-job"),
