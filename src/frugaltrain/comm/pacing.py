@@ -10,9 +10,9 @@ The model, per worker:
     carries payload. An operation posted at time t that sends S and receives V bytes (the
     algorithm's count, comm/base.py: ring all-reduce 2(M-1)/M of the payload, gathers (M-1)
     coded copies, ...) starts at max(t, end of the link's previous operation) and ends
-    D = max(S, V) * 8 / (p * R * 1e6) seconds later. `wait()` returns no earlier than that end; the sleep counts as blocking time, as the
-    real wait does. A non-blocking operation thus overlaps compute as on a slow link, and one
-    waited on after its end sleeps nothing.
+    D = max(S, V) * 8 / (p * R * 1e6) seconds later. `wait()` returns no earlier than that
+    end; the sleep counts as blocking time, as the real wait does. A non-blocking operation
+    thus overlaps compute as on a slow link, and one waited on after its end sleeps nothing.
 
 What it leaves out: latency, congestion, and the other members' links. A collective on real
 links ends when its slowest member's part has arrived; here each worker waits on its own link
