@@ -69,8 +69,8 @@ from pathlib import Path
 import provenance
 import torch
 
+from frugaltrain.cluster.auth import new_token
 from frugaltrain.comm import statewire
-from frugaltrain.comm.auth import new_token
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.netlab import cpu

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gloo_pool import free_port
 
-from frugaltrain.comm.auth import new_token
+from frugaltrain.cluster.auth import new_token
 from frugaltrain.config import to_toml
 
 

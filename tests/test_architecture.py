@@ -1,7 +1,7 @@
 """The layering of docs/architecture.md, checked on the source: every import of a frugaltrain
 module (static or through importlib) points down the picture, and no function outside the
-Triton kernel is longer than 80 lines; and the coordinator, which trains nothing, runs without
-torch."""
+Triton kernel is longer than 80 lines; the control plane (cluster/) imports no torch, and the
+coordinator, which trains nothing, runs without it."""
 
 from __future__ import annotations
 
@@ -25,18 +25,21 @@ LEVEL = {
     "energy": 2,
     "metrics": 3,
     "optim": 3,
-    "comm": 4,
-    "outer": 5,
-    "step": 5,  # one inner step, shared by train/ and sim/
-    "sim": 6,
-    "flow": 6,
-    "outer_loop": 6,  # the library entry (frugaltrain.wrap): outer, comm, config and lower
-    "train": 7,  # over sim/: the launcher plans outer.strategy = "auto" with sim/plan.py
-    "netlab": 8,
-    "cli": 9,
-    "__main__": 10,
-    "__init__": 10,
+    "cluster": 4,  # the control plane, torch-free: comm/'s rendezvous code uses its keys and JSON
+    "comm": 5,
+    "outer": 6,
+    "step": 6,  # one inner step, shared by train/ and sim/
+    "sim": 7,
+    "flow": 7,
+    "outer_loop": 7,  # the library entry (frugaltrain.wrap): outer, comm, config and lower
+    "train": 8,  # over sim/: the launcher plans outer.strategy = "auto" with sim/plan.py
+    "netlab": 9,
+    "cli": 10,
+    "__main__": 11,
+    "__init__": 11,
 }
+# What cluster/ may import besides itself: it must run where torch is not installed.
+CLUSTER_MAY_IMPORT = {"config", "metrics", "faults"}
 KERNELS = {"forge/triton_kernel.py:_fused_wgrad_kernel"}  # launch arguments one per line
 
 
@@ -145,8 +148,36 @@ def test_the_coordinator_imports_no_torch():
     torch, numpy or matplotlib (its model check and its summary run in child processes)."""
     heavy = ("torch", "numpy", "matplotlib", "transformers")
     code = (
-        "import sys, frugaltrain.cli, frugaltrain.train.coordinator\n"
+        "import sys, frugaltrain.cli, frugaltrain.cluster.coordinator\n"
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == ""
+
+
+def test_the_control_plane_imports_no_torch():
+    """No module of cluster/ imports torch, nor a part of frugaltrain other than config, metrics
+    and faults: statically (anywhere in a module, inside functions too), and loaded together in
+    a fresh interpreter."""
+    found = []
+    paths = sorted((SRC / "cluster").glob("*.py"))
+    for path in paths:
+        tree, parts = ast.parse(path.read_text()), []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "frugaltrain":  # `from frugaltrain import processes`
+                    names = [f"frugaltrain.{a.name}" for a in node.names]
+            else:
+                continue
+            found += [f"{path.name} imports {n}" for n in names if n.split(".")[0] == "torch"]
+            parts += [n.split(".")[1] for n in names if n.startswith("frugaltrain.")]
+        others = set(parts + _imports(tree)) - {"cluster"} - CLUSTER_MAY_IMPORT
+        found += [f"{path.name} imports frugaltrain.{p}" for p in sorted(others)]
+    assert not found, "\n".join(found)
+    modules = ", ".join(f"frugaltrain.cluster.{p.stem}" for p in paths if p.stem != "__init__")
+    code = f"import sys, {modules}\nassert 'torch' not in sys.modules, 'torch was imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from frugaltrain.comm.auth import (
+from frugaltrain.cluster.auth import (
     TOKEN_BYTES,
     Channel,
     Refused,
@@ -24,7 +24,7 @@ from frugaltrain.comm.auth import (
     read_token,
     server_handshake,
 )
-from frugaltrain.comm.gateway import Gateway, StoreTunnel
+from frugaltrain.cluster.gateway import Gateway, StoreTunnel
 from frugaltrain.config import ConfigError
 
 TOKEN = bytes(range(TOKEN_BYTES))

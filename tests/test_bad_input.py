@@ -388,7 +388,7 @@ def test_an_error_inside_a_worker_is_one_line_with_its_traceback_in_the_run_dir(
 
 def test_coordinator_resume_names_a_damaged_store_journal(config_factory, tmp_path, capsys):
     """One line naming the journal and the way on, before the port opens; nothing written."""
-    from frugaltrain.comm.auth import new_token
+    from frugaltrain.cluster.auth import new_token
 
     cfg = config_factory(tmp_path / "out", "fault_tolerance.enabled=true")
     run_dir = tmp_path / "run"

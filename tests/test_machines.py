@@ -12,7 +12,7 @@ import torch
 from ft_records import membership
 from machines_run import Run, rounds_logged, wait_for
 
-from frugaltrain.comm.auth import new_token
+from frugaltrain.cluster.auth import new_token
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import checkpoint, launch
 

@@ -1,4 +1,4 @@
-"""The coordinator's metrics log from the machines' relayed lines (train/metrics_relay.py): one
+"""The coordinator's metrics log from the machines' relayed lines (cluster/metrics_relay.py): one
 source until it is lost, then the next from its reserve; every record written once, in order."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from frugaltrain.cluster.metrics_relay import MetricsRelay
 from frugaltrain.metrics.log import read_metrics
-from frugaltrain.train.metrics_relay import MetricsRelay
 
 H = 4
 

@@ -30,7 +30,7 @@ from frugaltrain.config import (
     to_dict,
     to_toml,
 )
-from frugaltrain.sim import SimSection, plan_check, plan_cli, simulate
+from frugaltrain.sim import SimSection, simulate
 from frugaltrain.sim import plan as planner
 from frugaltrain.sim.clock import clock
 from frugaltrain.sim.plan import (
@@ -45,7 +45,7 @@ from frugaltrain.sim.plan import (
     pick_table,
     plan_json,
 )
-from frugaltrain.train import checkpoint
+from frugaltrain.train import checkpoint, plan_check, plan_cli
 from frugaltrain.train.launch import prepare, run
 
 ROOT = Path(__file__).resolve().parent.parent

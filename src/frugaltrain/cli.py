@@ -35,7 +35,7 @@ SUBSYSTEM_COMMANDS = {
     "netlab": "frugaltrain.netlab.cli",
     "simulate": "frugaltrain.sim.cli",
     "compare": "frugaltrain.sim.compare",
-    "plan": "frugaltrain.sim.plan_cli",
+    "plan": "frugaltrain.train.plan_cli",
 }
 
 
@@ -138,7 +138,7 @@ def _add_machine_commands(sub) -> None:
 
 def _machines(args) -> int:
     if args.command == "join":
-        from frugaltrain.comm.auth import Refused
+        from frugaltrain.cluster.auth import Refused
         from frugaltrain.train.agent import run_join
 
         try:
@@ -147,7 +147,7 @@ def _machines(args) -> int:
             print(f"frugaltrain: error: {e}", file=sys.stderr)
             return 2 if isinstance(e, Refused) else 1
     if args.new_token:
-        from frugaltrain.comm.auth import new_token
+        from frugaltrain.cluster.auth import new_token
 
         new_token(args.new_token)
         print(f"wrote a new run token to {args.new_token}; copy it to every machine that joins")
@@ -157,7 +157,7 @@ def _machines(args) -> int:
             "coordinator: --token FILE is required (only machines holding it may join); "
             "write one with `frugaltrain coordinator --new-token FILE`"
         )
-    from frugaltrain.train.coordinator import run_coordinator
+    from frugaltrain.cluster.coordinator import run_coordinator
 
     return run_coordinator(
         args.config, overrides(args), args.token, args.port, args.bind, args.resume

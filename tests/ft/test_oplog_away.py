@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
+from frugaltrain.cluster import keys
 from frugaltrain.comm.base import CommStats
-from frugaltrain.comm.ft import keys
 from frugaltrain.comm.ft.oplog import Op, OpLog
 
 HB_TIMEOUT_S = 0.2

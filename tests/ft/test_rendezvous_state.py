@@ -16,10 +16,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from frugaltrain.comm import rendezvous_json
-from frugaltrain.comm.ft import keys
+from frugaltrain.cluster import keys, rendezvous_json
+from frugaltrain.cluster.store import StoreServer
 from frugaltrain.comm.rendezvous_state import JsonBackend, StateError, from_json, to_json
-from frugaltrain.comm.store import StoreServer
 
 
 @pytest.fixture
@@ -182,7 +181,7 @@ def _closed(state: _RendezvousState) -> _RendezvousState:
 
 
 def test_an_expired_member_is_dropped_at_the_next_sync():
-    """Two members form a round on the coordinator's store (comm/store.py, no torch); the
+    """Two members form a round on the coordinator's store (cluster/store.py, no torch); the
     second is then known to be gone. Marked with rendezvous_json.expire, the first drops it at
     its next sync; unmarked, its keep-alive would keep it in until its keep-alive expires (30 s
     here, so a slow machine cannot flake the test). Closed, a process asking to join is told

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from frugaltrain.comm.ft import keys, means
+from frugaltrain.cluster import keys
+from frugaltrain.comm.ft import means
 from frugaltrain.comm.ft.means import StoreMeans
 
 HB_TIMEOUT_S = 3.0

@@ -1,4 +1,4 @@
-"""train/run_store.py's `forget`: a process that exited is marked gone in its own shard group's
+"""cluster/run_store.py's `forget`: a process that exited is marked gone in its own shard group's
 rendezvous, under its replica's name, and only that start of it (its pid)."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from datetime import datetime, timedelta, timezone
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from frugaltrain.comm import rendezvous_json
-from frugaltrain.comm.ft import keys
+from frugaltrain.cluster import keys, rendezvous_json
+from frugaltrain.cluster.run_store import forget
 from frugaltrain.comm.rendezvous_state import JsonBackend, from_json
 from frugaltrain.config import Config, build_config
-from frugaltrain.train.run_store import forget
 
 NOW = datetime(2026, 1, 2, tzinfo=timezone.utc)
 EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)

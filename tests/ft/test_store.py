@@ -1,4 +1,4 @@
-"""comm/store.py: torch's TCPStore client gets from our server exactly what torch's own server
+"""cluster/store.py: torch's TCPStore client gets from our server exactly what torch's own server
 answers, waits end when the last key is written, a client that breaks the protocol is cut off
 while the others go on, and gloo forms a group over it."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from frugaltrain.comm.store import (
+from frugaltrain.cluster.store import (
     JOURNAL_HEADER,
     MAGIC,
     MAX_KEY,

@@ -1,4 +1,4 @@
-"""comm/gateway.py's StoreTunnel with hold_s: torch's TCPStore clients ride out a coordinator
+"""cluster/gateway.py's StoreTunnel with hold_s: torch's TCPStore clients ride out a coordinator
 restart (its gateway and its store, brought back from the store's journal on the same port): a
 request issued while it is away is held and answered once it is back, a wait goes on across the
 restart, and past hold_s the client gets an error, as it does at once without a hold."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from frugaltrain.comm.auth import TOKEN_BYTES, Channel
-from frugaltrain.comm.gateway import Gateway, StoreTunnel
-from frugaltrain.comm.store import StoreServer
+from frugaltrain.cluster.auth import TOKEN_BYTES, Channel
+from frugaltrain.cluster.gateway import Gateway, StoreTunnel
+from frugaltrain.cluster.store import StoreServer
 
 TOKEN = bytes(range(TOKEN_BYTES))
 

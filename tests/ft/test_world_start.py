@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from frugaltrain.comm.ft import keys
+from frugaltrain.cluster import keys
+from frugaltrain.cluster.coordinator import Coordinator
+from frugaltrain.cluster.store import PrefixView, StoreServer
 from frugaltrain.comm.ft.world import Identity, World
-from frugaltrain.comm.store import PrefixView, StoreServer
-from frugaltrain.train.coordinator import Coordinator
 
 W, S = 2, 2
 TIMEOUT = timedelta(seconds=30)

@@ -1,8 +1,11 @@
-"""Communication: the interface strategies see (`Comm`), the loop's side of a runtime
-(`Runtime`), and their torch.distributed and fault-tolerant implementations.
+"""Communication, the data plane: the interface strategies see (`Comm`), the loop's side of a
+runtime (`Runtime`), and their torch.distributed and fault-tolerant implementations, with the
+codecs, guards and pacing they compose. The control plane across machines (the coordinator, its
+store, gateway and run token) is cluster/, torch-free; this package's rendezvous code uses its
+store keys and rendezvous JSON.
 
-The names below load on first use, so a module of this package that needs no torch (auth.py,
-gateway.py, store.py, rendezvous_json.py: what the coordinator runs on) imports none.
+The names below load on first use, so importing one of this package's torch-free modules
+(pacing.py) imports no torch.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from frugaltrain.comm.ft import keys
-from frugaltrain.comm.rendezvous_json import RUN_ID, node_name
+from frugaltrain.cluster import keys
+from frugaltrain.cluster.rendezvous_json import RUN_ID, node_name
 from frugaltrain.comm.rendezvous_state import JsonBackend
 
 # The handler polls the rendezvous state once a second while it waits, and a waiting node

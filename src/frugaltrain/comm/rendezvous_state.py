@@ -20,7 +20,7 @@ None). A value that is not a well-formed state raises `StateError` (a Rendezvous
 ValueError) with one line saying what is wrong.
 
 The JSON itself (its fields, their checks, and the changes made to it without a handler) is
-comm/rendezvous_json.py, which needs no torch.
+cluster/rendezvous_json.py, which needs no torch.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from frugaltrain.comm import rendezvous_json
+from frugaltrain.cluster import rendezvous_json
 
 NO_STATE = rendezvous_json.NO_STATE
 FIELDS = rendezvous_json.FIELDS

@@ -1,15 +1,15 @@
 """`frugaltrain join HOST:PORT --token FILE [--workers N]`: this machine's part of a run.
 
-The agent proves the run token to the coordinator (comm/auth.py), receives the run's config and
+The agent proves the run token to the coordinator (cluster/auth.py), receives the run's config and
 its slots, checks the model and data here before anything starts, and runs one worker process
 per slot (run.shards processes per slot with shards) on the fault-tolerant runtime. The
 processes reach the run's store through a local forwarder over the authenticated channel
-(comm/gateway.py's StoreTunnel); their gloo traffic goes machine to machine (docs/security.md).
+(cluster/gateway.py's StoreTunnel); their gloo traffic goes machine to machine (docs/security.md).
 
 It restarts only its own processes: a dead one is started again under the same slot and rejoins
 from a live peer at a round end (comm/ft/admission.py); the other machines restart nothing.
 Every PING_S it tells the coordinator it is alive, with the new lines of its metrics.jsonl (written
-by its lowest slot's worker; the coordinator merges the machines' logs, train/metrics_relay.py)
+by its lowest slot's worker; the coordinator merges the machines' logs, cluster/metrics_relay.py)
 and the slots that finished. It leaves once all its slots have finished, or the run has ended
 without them.
 
@@ -39,8 +39,11 @@ import tomllib
 import torch.distributed as dist
 
 from frugaltrain import processes
-from frugaltrain.comm.auth import Channel, Refused, connect, read_token
-from frugaltrain.comm.gateway import StoreTunnel
+from frugaltrain.cluster import run_store
+from frugaltrain.cluster.auth import Channel, Refused, connect, read_token
+from frugaltrain.cluster.coordinator import LEASE_S, PING_S
+from frugaltrain.cluster.gateway import StoreTunnel
+from frugaltrain.cluster.run_dir import new_run_dir
 from frugaltrain.config import (
     Config,
     ConfigError,
@@ -51,8 +54,7 @@ from frugaltrain.config import (
     to_toml,
 )
 from frugaltrain.metrics.log import keep_until_step
-from frugaltrain.train import checkpoint, run_store, supervisor
-from frugaltrain.train.coordinator import LEASE_S, PING_S
+from frugaltrain.train import checkpoint, supervisor
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
 
@@ -183,7 +185,7 @@ class Agent:
 
     def _prepare(self) -> None:
         """The checks a local run makes, on this machine's model and data, then the run dir."""
-        from frugaltrain.train.launch import check_data, check_model, new_run_dir
+        from frugaltrain.train.launch import check_data, check_model
 
         check_model(self.cfg)
         check_data(self.cfg)

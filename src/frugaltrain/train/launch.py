@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from frugaltrain.cluster.run_dir import new_run_dir
 from frugaltrain.comm import LocalComm
 from frugaltrain.config import (
     Config,
@@ -40,7 +41,6 @@ from frugaltrain.outer.streaming import StreamingDiLoCo
 from frugaltrain.train import checkpoint
 from frugaltrain.train.failures import failure_of, report_failure
 from frugaltrain.train.loop import train_worker
-from frugaltrain.train.run_dir import new_run_dir
 from frugaltrain.train.supervisor import backend, plain_comm, run_local, worker_threads
 
 

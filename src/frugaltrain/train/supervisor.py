@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain import processes
+from frugaltrain.cluster import keys
+from frugaltrain.cluster.run_store import close_rendezvous, forget, group0_store
 from frugaltrain.comm.faults import FaultyRuntime
-from frugaltrain.comm.ft import keys
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.comm.pacing import pacer_of
 from frugaltrain.comm.runtime import Runtime
@@ -43,7 +44,6 @@ from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.step import worker_threads
 from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
-from frugaltrain.train.run_store import close_rendezvous, forget, group0_store
 from frugaltrain.train.sharding import build_layout, shards_of
 
 # What the fork server imports once for the workers (processes.py): torch, and everything a worker

@@ -5,9 +5,8 @@ the launcher hosts) decides who is in each membership epoch (comm/rendezvous.py)
 a fresh gloo process group over the store of its rendezvous round. docs/fault_tolerance.md
 explains why this and not torchft.
 
-The parts:
+The parts (their store keys are in cluster/keys.py, which the coordinator reads too):
 
-    keys.py       the store keys, one place.
     heartbeat.py  the heartbeat thread, and reading a member's beat (straggler or silent?).
     world.py      one worker's epoch, members, gloo group and membership records; moving to the
                   next epoch through the rendezvous; the exit of a worker left behind.

@@ -24,8 +24,8 @@ from datetime import timedelta
 
 import torch
 
+from frugaltrain.cluster import keys
 from frugaltrain.comm import statewire
-from frugaltrain.comm.ft import keys
 from frugaltrain.comm.ft.means import StoreMeans
 from frugaltrain.comm.ft.mix1 import Mix1
 from frugaltrain.comm.ft.oplog import OpLog

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from frugaltrain.comm.ft import keys
+from frugaltrain.cluster import keys
 
 PERIOD_S = 0.2
 

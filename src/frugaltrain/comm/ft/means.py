@@ -16,7 +16,8 @@ import time
 import numpy as np
 import torch
 
-from frugaltrain.comm.ft import heartbeat, keys
+from frugaltrain.cluster import keys
+from frugaltrain.comm.ft import heartbeat
 from frugaltrain.comm.ft.oplog import OpLog
 from frugaltrain.comm.runtime import Means, MeansUnavailable
 

@@ -13,7 +13,7 @@ posts, numbered in the order posted, and how a failure is survived.
             another worker has marked the epoch broken in the store. Once the store is lost
             for good (world.py, `guarded`), only gloo's own deadline is left. Time in which this
             worker's own store reads were held up (the coordinator away: its machine's store
-            tunnel holds requests until it is back, comm/gateway.py) counts against neither
+            tunnel holds requests until it is back, cluster/gateway.py) counts against neither
             the deadline nor anyone's heartbeat: nobody's beats reached the store then.
     recover mark the epoch broken (the first reason wins) and re-rendezvous (world.py); the
             survivors build the new group and re-post (`settle`), in order, every operation from
@@ -33,8 +33,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from frugaltrain.cluster import keys
 from frugaltrain.comm.base import CommStats
-from frugaltrain.comm.ft import heartbeat, keys
+from frugaltrain.comm.ft import heartbeat
 from frugaltrain.comm.ft.world import EVICTED_EXIT, StoreLost, World, short_error
 
 LOG_KEEP = 8  # completed operations whose inputs are kept for a re-post after a failure

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from frugaltrain.comm.ft import keys
+from frugaltrain.cluster import keys
 from frugaltrain.comm.ft.admission import Admission
 from frugaltrain.comm.ft.comm import ElasticComm
 from frugaltrain.comm.ft.means import StoreMeans
@@ -65,7 +65,7 @@ class ElasticRuntime(Runtime):
 
     def writes_metrics(self, worker: int, shard: int) -> bool:
         """Across machines, each machine's lowest slot writes its machine's log (the
-        coordinator merges them, train/metrics_relay.py), so a lost machine takes no rounds of
+        coordinator merges them, cluster/metrics_relay.py), so a lost machine takes no rounds of
         the log with it."""
         if self.local is None:
             return super().writes_metrics(worker, shard)

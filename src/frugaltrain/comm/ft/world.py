@@ -27,7 +27,8 @@ from typing import Protocol, TypeVar
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from frugaltrain.comm.ft import heartbeat, keys
+from frugaltrain.cluster import keys
+from frugaltrain.comm.ft import heartbeat
 from frugaltrain.comm.rendezvous import Membership, Round
 
 T = TypeVar("T")

@@ -1,14 +1,13 @@
 """The run's store as the processes that watch a run use it: the local launcher, each machine's
 agent and the coordinator. Kept apart from the launcher (train/supervisor.py), and free of
 torch, so the coordinator, which trains nothing, stays a small process: its store is
-comm/store.py's server, the others' a torch TCPStore; both have the calls used here.
+cluster/store.py's server, the others' a torch TCPStore; both have the calls used here.
 """
 
 from __future__ import annotations
 
-from frugaltrain.comm import rendezvous_json
-from frugaltrain.comm.ft import keys
-from frugaltrain.comm.store import PrefixView, Store
+from frugaltrain.cluster import keys, rendezvous_json
+from frugaltrain.cluster.store import PrefixView, Store
 from frugaltrain.config import Config
 
 
@@ -27,7 +26,7 @@ def close_rendezvous(store: Store, cfg: Config) -> None:
 
 def refresh_rendezvous(store: Store, cfg: Config) -> int:
     """Date every shard group's rendezvous heartbeats to now (the store came back from its
-    journal: comm/rendezvous_json.py's `refresh`). Returns how many nodes were dated."""
+    journal: cluster/rendezvous_json.py's `refresh`). Returns how many nodes were dated."""
     S = cfg.run.shards
     return sum(rendezvous_json.refresh(store, keys.namespace(s, S)) for s in range(S))
 

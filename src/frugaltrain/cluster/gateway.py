@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from frugaltrain.comm.auth import Channel, Refused, connect, server_handshake
-from frugaltrain.comm.store import (
+from frugaltrain.cluster.auth import Channel, Refused, connect, server_handshake
+from frugaltrain.cluster.store import (
     MAGIC,
     MUTATIONS,
     NO_REPLY,

@@ -4,12 +4,12 @@
     frugaltrain coordinator --config my.toml --port 29400 --token run.token
 
 It trains nothing, and it imports no torch: it holds the run's config and run directory, hosts
-the run's store (comm/store.py: a server torch's TCPStore clients talk to, where the
+the run's store (cluster/store.py: a server torch's TCPStore clients talk to, where the
 fault-tolerant runtime's rendezvous lives) on the loopback interface only, and
-listens on `--bind`:`--port` behind the run token (comm/gateway.py): a machine that proves the
+listens on `--bind`:`--port` behind the run token (cluster/gateway.py): a machine that proves the
 token gets the config and free slots, and its processes reach the store through that channel;
 nothing else reaches the store. It writes the run's metrics.jsonl from the lines the machines
-relay (train/metrics_relay.py: one machine is the source, and the next takes over when it is
+relay (cluster/metrics_relay.py: one machine is the source, and the next takes over when it is
 lost) and, at the end, its summary.
 
 Slots, not ranks: a run has run.workers slots (a worker's rank: its data stream and its name
@@ -41,19 +41,19 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from frugaltrain.comm.auth import Channel, read_token
-from frugaltrain.comm.ft import keys
-from frugaltrain.comm.gateway import Gateway
-from frugaltrain.comm.store import PrefixView, StoreServer
-from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
-from frugaltrain.train.metrics_relay import MetricsRelay
-from frugaltrain.train.run_dir import new_run_dir
-from frugaltrain.train.run_store import (
+from frugaltrain.cluster import keys
+from frugaltrain.cluster.auth import Channel, read_token
+from frugaltrain.cluster.gateway import Gateway
+from frugaltrain.cluster.metrics_relay import MetricsRelay
+from frugaltrain.cluster.run_dir import new_run_dir
+from frugaltrain.cluster.run_store import (
     close_rendezvous,
     forget,
     group0_store,
     refresh_rendezvous,
 )
+from frugaltrain.cluster.store import PrefixView, StoreServer
+from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
 # dead peer within seconds (gloo errors, heartbeats). The lease only frees the slots for the next

@@ -94,8 +94,8 @@ def check_config(
 def run_check(cfg: Config, plan: Plan, requested: int) -> Check:
     """Train DiLoCo and the pick for `requested` inner steps (check_steps) each on emulated
     links at the plan's rates, and compare their wall clocks."""
+    from frugaltrain.cluster.run_dir import new_run_dir
     from frugaltrain.train.launch import check_data, check_model, run
-    from frugaltrain.train.run_dir import new_run_dir
 
     base = next(r for r in plan.rows if r.method == BASELINE)
     pick = next(r for r in plan.rows if r.method == plan.pick)

@@ -1,9 +1,11 @@
-"""The fault-tolerant runtime's store keys, in one place.
+"""The fault-tolerant runtime's store keys, in one place: the workers' runtime (comm/ft/) and
+the processes that watch a run (the coordinator, each machine's agent, the local launcher) name
+the same keys, so they live here, without torch.
 
 Three stores hold them:
 
-    the run's store     the TCPStore the launcher hosts: what every shard group shares
-                        (admissions decided for whole replicas).
+    the run's store     the TCPStore the launcher hosts, or the coordinator's (cluster/store.py):
+                        what every shard group shares (admissions decided for whole replicas).
     a world's store     the run's store under the world's `namespace` ("" without shards,
                         "shard{s}" for shard group s): the first-start barrier, heartbeats,
                         epochs, operations, metrics, admission and the end of the run. The

@@ -10,7 +10,7 @@ table that runs it in your config.
                                         # my.toml with the pick's [outer]: `frugaltrain train
                                         # --config picked.toml` runs it
     frugaltrain plan --config my.toml --link-mbit 22 --check   # then train the pick and DiLoCo
-                                        # for a few steps on emulated links (sim/plan_check.py)
+                                        # for a few steps on emulated links (train/plan_check.py)
     torchrun --nnodes 4 --nproc-per-node 1 --rdzv-endpoint HOST:PORT -m frugaltrain plan \\
         --config my.toml                # on the workers: their own links, probed with the
                                         # model's bytes; worker 0 prints the plan
@@ -52,7 +52,7 @@ from frugaltrain.sim.plan import (
     plan_json,
     read_probe,
 )
-from frugaltrain.sim.plan_check import STEPS, check_json, format_check, run_check
+from frugaltrain.train.plan_check import STEPS, check_json, format_check, run_check
 
 NO_LINKS = (
     "no links to plan on: pass --link-mbit RATE[,RATE...] (each worker's link, Mbit/s) or "

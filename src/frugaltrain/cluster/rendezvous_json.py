@@ -16,8 +16,8 @@ import json
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from frugaltrain.comm.ft import keys
-from frugaltrain.comm.store import PrefixView, Store
+from frugaltrain.cluster import keys
+from frugaltrain.cluster.store import PrefixView, Store
 
 RUN_ID = "frugaltrain"
 NO_STATE = b"null"  # the store's value before the first state is written
