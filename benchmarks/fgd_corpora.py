@@ -56,7 +56,6 @@ METHODS = {  # name -> (example config, extra overrides)
     "noloco": ("noloco", []),
     "GlobalM1": ("fgd_globalm1", []),
     "GlobalM1LocalM2": ("fgd_globalm1_localm2", []),
-    "GlobalM1LocalM2-late": ("fgd_globalm1_localm2", ["outer.fgd.mix2_overlap=true"]),
     "GlobalM1LocalM2-int8": ("fgd_globalm1_localm2_int8", []),  # Mix2 in int8, Mix1 fp32
     "GlobalM1LocalM2-int8-bf16": (  # and Mix1 in bf16
         "fgd_globalm1_localm2_int8",
@@ -67,7 +66,6 @@ METHODS = {  # name -> (example config, extra overrides)
     "GlobalM1LocalM2-int8-d4": ("fgd_globalm1_localm2_int8", MIX1_DELTA_4BIT),
     "GlobalM1LocalM2-4bit": ("fgd_globalm1_localm2_int8", [*MIX1_DELTA_4BIT, "outer.codec='e3m0'"]),
     "subset": ("fgd_subset", []),
-    "subset-late": ("fgd_subset", ["outer.fgd.mix2_overlap=true"]),
     "gossip": ("fgd_gossip", []),  # Mix1 on the exponential graph, Mix2 on pairs: no collective
 }
 MODELS = {"base": [], "4x": ["model.n_embd=256"]}  # 0.48M and 1.8M parameters

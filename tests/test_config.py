@@ -122,8 +122,6 @@ def test_key_set_is_pinned():
             "momentum_policy",
             "mix1_weight",
             "mix2_momentum",
-            "mix2_overlap",
-            "mix2_overlap_own",
             "mix2_delay",
             "mix1_delta",
         ],
@@ -215,22 +213,7 @@ def test_toml_round_trip(tmp_path):
         ),
         (
             ["outer.strategy=fgd", "outer.fgd.mix2_overlap=true"],
-            "outer.fgd.mix2_overlap = True: overlaps a Mix2; set mix2 or drop it",
-        ),
-        (
-            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_overlap=true"]
-            + ["fault_tolerance.enabled=true"],
-            "outer.fgd.mix2_overlap = True: the fault-tolerant runtime runs Mix2 blocking only",
-        ),
-        (
-            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_overlap_own=0.25"],
-            "outer.fgd.mix2_overlap_own = 0.25: weighs the stand-in of an overlapped Mix2; "
-            "set mix2_overlap = true or drop it",
-        ),
-        (
-            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_overlap=true"]
-            + ["outer.fgd.mix2_overlap_own=0"],
-            "outer.fgd.mix2_overlap_own = 0.0: must be in (0, 1]",
+            "unknown key outer.fgd.mix2_overlap",
         ),
         (
             ["outer.strategy=fgd", "outer.fgd.mix2_delay=1"],
@@ -239,11 +222,6 @@ def test_toml_round_trip(tmp_path):
         (
             ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_delay=-1"],
             "outer.fgd.mix2_delay = -1: must be >= 0",
-        ),
-        (
-            ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.fgd.mix2_delay=1"]
-            + ["outer.fgd.mix2_overlap=true"],
-            "outer.fgd.mix2_delay = 1: cannot be set with mix2_overlap",
         ),
         (
             ["outer.strategy=fgd", "outer.fgd.mix2=pairs", "outer.H=5", "outer.fgd.mix2_delay=5"],

@@ -46,7 +46,6 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     "sets",
     [
         ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'"),
-        ("outer.strategy='fgd'", "outer.fgd.mix2='pairs'", "outer.fgd.mix2_overlap=true"),
         (
             "outer.strategy='fgd'",
             "outer.fgd.preset='GlobalM1'",
@@ -157,10 +156,8 @@ def _gloo_worker(rank, port, jobs, out):
         results = {}
         for name, cfg, run_dir, resume in jobs:
             comm = TorchDistComm(deterministic=cfg.run.deterministic_comm)
-            if name.startswith("mean-recursion"):
-                late = name != "mean-recursion"
-                own = EAGER_OWN if name.endswith("eager") else 1.0
-                results[name] = _mean_recursion_rounds(cfg, comm, late, own)
+            if name == "mean-recursion":
+                results[name] = _mean_recursion_rounds(cfg, comm)
                 continue
             if name == "mix1-delta-rounds":
                 results[name] = _mix1_delta_rounds(cfg, comm)
@@ -173,13 +170,9 @@ def _gloo_worker(rank, port, jobs, out):
         dist.destroy_process_group()
 
 
-EAGER_OWN = 0.25  # the weight of a worker's own fresh pseudo-gradient in an eager late Mix2
-
-
-def _mean_recursion_rounds(cfg, comm, late: bool = False, own: float = 1.0) -> list[dict]:
+def _mean_recursion_rounds(cfg, comm) -> list[dict]:
     """Drive fgd by hand: inner phases replaced by per-worker random moves; record what the mean
-    recursion needs. `late`: Mix2 overlaps the next round (no last step: every round is late),
-    its stand-in weighted `own`."""
+    recursion needs."""
     model = build_model(cfg)
     fgd = FactoredGossipDiLoCo(
         model,
@@ -190,8 +183,6 @@ def _mean_recursion_rounds(cfg, comm, late: bool = False, own: float = 1.0) -> l
         mix1="ring",
         mix2="pairs",
         seed=5,
-        mix2_overlap=late,
-        mix2_overlap_own=own,
     )
     gen = torch.Generator().manual_seed(comm.rank)
     rounds = []
@@ -280,7 +271,6 @@ def _cases(factory, root: Path) -> list[tuple]:
     )
     moved = (
         ("fgd", ()),
-        ("fgd-late", ("outer.fgd.mix2_overlap=true",)),
         ("fgd-delay", ("outer.fgd.mix2_delay=2",)),
     )
     for name, late in moved:
@@ -304,8 +294,6 @@ def _cases(factory, root: Path) -> list[tuple]:
     jobs += [job("fgd-delta-e3m0-full", *e3m0), part, ("fgd-delta-e3m0-resumed", *part[1:3], ckpt)]
     jobs += [
         ("mean-recursion", factory(root, *base), None, None),
-        ("mean-recursion-late", factory(root, *base), None, None),
-        ("mean-recursion-eager", factory(root, *base), None, None),
         ("mix1-delta-rounds", factory(root, *base), None, None),
     ]
     return jobs
@@ -378,15 +366,6 @@ def test_fgd_gossip_workers_disagree_and_resume_exactly(gloo_runs):
         _assert_same(gloo_runs[rank]["fgd-full"][0], gloo_runs[rank]["fgd-resumed"][0])
 
 
-def test_fgd_late_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(gloo_runs):
-    # The checkpoint lands the Mix2 in flight; the resumed run steps with that correction.
-    for rank in range(WORLD):
-        _assert_same(gloo_runs[rank]["fgd-late-full"][0], gloo_runs[rank]["fgd-late-resumed"][0])
-        assert gloo_runs[rank]["fgd-late-full"][1] == gloo_runs[rank]["fgd-full"][1]
-    late, blocking = gloo_runs[0]["fgd-late-full"][0], gloo_runs[0]["fgd-full"][0]
-    assert not all(torch.equal(u, v) for u, v in zip(late, blocking, strict=True))
-
-
 def test_fgd_delayed_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(gloo_runs):
     # Nothing is in flight at a round's end: the steps it keeps live in the model's parameters.
     for rank in range(WORLD):
@@ -397,34 +376,23 @@ def test_fgd_delayed_mix2_resumes_exactly_and_sends_what_blocking_mix2_sends(glo
     assert not all(torch.equal(u, v) for u, v in zip(delayed, blocking, strict=True))
 
 
-@pytest.mark.parametrize("case", ["mean-recursion", "mean-recursion-late", "mean-recursion-eager"])
-def test_fgd_mean_follows_diloco_recursion(gloo_runs, case):
-    # A late Mix2's correction sums to zero over the workers: the mean is DiLoCo's either way.
-    # With its stand-in weighted w (eager), the mean steps with w of this round's mean
-    # pseudo-gradient and 1 - w of the last round's.
+def test_fgd_mean_follows_diloco_recursion(gloo_runs):
+    # W1 and W2 doubly stochastic: the workers' mean steps as DiLoCo's does.
     mu, gamma = 0.9, 0.7
-    w = EAGER_OWN if case.endswith("eager") else 1.0
     for t in range(4):
-        per = [gloo_runs[r][case][t] for r in range(WORLD)]
+        per = [gloo_runs[r]["mean-recursion"][t] for r in range(WORLD)]
 
         def mean(key, k, per=per):
             return torch.stack([p[key][k].double() for p in per]).mean(0)
 
-        def last_delta(k, t=t):
-            return mean("delta", k, [gloo_runs[r][case][t - 1] for r in range(WORLD)])
-
         for k in range(len(per[0]["x"])):
-            g = w * mean("delta", k) + ((1 - w) * last_delta(k) if t else 0)
+            g = mean("delta", k)
             m_next = mu * mean("m", k) + g
             x_next = mean("x", k) - gamma * (g + mu * m_next)
             torch.testing.assert_close(mean("m_next", k), m_next, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(mean("x_next", k), x_next, rtol=1e-5, atol=1e-6)
         if t > 0:
             assert not torch.equal(per[0]["x"][0], per[1]["x"][0])  # the test is not trivial
-    blocking = gloo_runs[0]["mean-recursion"][1]["x_next"]
-    assert case == "mean-recursion" or not torch.equal(
-        gloo_runs[0][case][1]["x_next"][0], blocking[0]
-    )
 
 
 def test_mix1_as_deltas_in_fp32_is_mix1(gloo_runs):

@@ -449,18 +449,6 @@ class FgdSection(Section):
     """Mix2 also mixes the chosen tensors' outer momentum, so it mixes their post-momentum
     update rather than only the raw pseudo-gradient (with a complete Mix2 on all tensors both
     are DiLoCo)."""
-    mix2_overlap: bool = False
-    """Mix2 runs in the background during the next round's inner steps and comes back one
-    round late as a correction (each worker steps with its own fresh pseudo-gradient plus
-    (W2 Delta)_i - Delta_i of the round before): no blocking Mix2, and the mean of the workers
-    still follows DiLoCo exactly. The run's last round mixes at once."""
-    mix2_overlap_own: float = 1.0
-    """w, with mix2_overlap: the weight of the worker's own fresh pseudo-gradient, which stands in
-    for the mix still on the wire: g_i(t) = w Delta_i(t) + (W2 Delta(t-1))_i - w Delta_i(t-1).
-    1: the worker's whole own round at once (the mean follows DiLoCo's recursion exactly);
-    1/M with a complete Mix2: DiLoCo's eager updates (the others' share one round late; the
-    mean's step is w of the fresh mean plus 1 - w of the last). Every round counts once in
-    the end either way."""
     mix2_delay: int = 0
     """tau: Mix2 is sent tau inner steps before the round's end, on the pseudo-gradient of the
     steps so far, and runs while the worker takes the last tau steps; at the end each worker
@@ -486,30 +474,9 @@ class FgdSection(Section):
         self.require(error is None, "mix2_params", error or "")
         self.one_of("momentum_policy", ("local", "mixed", "reset"))
         self.require(0 <= self.mix1_weight <= 1, "mix1_weight", "must be in [0, 1]")
-        if self.mix2_overlap:
-            self.require(
-                self.mix2 != "none", "mix2_overlap", "overlaps a Mix2; set mix2 or drop it"
-            )
-            self.require(
-                not self.mix2_momentum,
-                "mix2_overlap",
-                "mixes pseudo-gradients only; set mix2_momentum = false or drop mix2_overlap",
-            )
-        self.require(0 < self.mix2_overlap_own <= 1, "mix2_overlap_own", "must be in (0, 1]")
-        if self.mix2_overlap_own != 1:
-            self.require(
-                self.mix2_overlap,
-                "mix2_overlap_own",
-                "weighs the stand-in of an overlapped Mix2; set mix2_overlap = true or drop it",
-            )
         self.at_least("mix2_delay", 0)
         if self.mix2_delay:
             self.require(self.mix2 != "none", "mix2_delay", "delays a Mix2; set mix2 or drop it")
-            self.require(
-                not self.mix2_overlap,
-                "mix2_delay",
-                "cannot be set with mix2_overlap (both move Mix2 off the round's end); keep one",
-            )
         if self.mix1_delta:
             self.require(
                 self.mix1 == "complete" and self.mix1_weight == 1,
@@ -987,13 +954,6 @@ def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> 
         f"must be at most half of run.timeout_s = {r.timeout_s:g} s (a worker held that long "
         "plus a round must not outlast its peers' gloo deadline); lower it, or raise "
         "run.timeout_s",
-    )
-    require(
-        not (ft.enabled and o.strategy == "fgd" and o.fgd.mix2_overlap),
-        "outer.fgd.mix2_overlap",
-        True,
-        "the fault-tolerant runtime runs Mix2 blocking only; set outer.fgd.mix2_overlap = "
-        "false or fault_tolerance.enabled = false",
     )
     require(
         not (ft.enabled and o.coded_average != "all_gather"),

@@ -52,10 +52,7 @@ def build_strategy(
             f"workers start; here name the method (one of {', '.join(STRATEGIES)}): "
             "`frugaltrain plan` says which"
         )
-    keys = o.strategy_keys()
-    if o.strategy == "fgd" and isinstance(cfg, Config):  # a late Mix2 settles at the run's end
-        keys["last_step"] = cfg.run.steps
-    return STRATEGIES[o.strategy](model, comm, **keys, seed=seed)
+    return STRATEGIES[o.strategy](model, comm, **o.strategy_keys(), seed=seed)
 
 
 __all__ = [

@@ -14,24 +14,6 @@ Nothing from an earlier round enters round t's update, so there is no staleness:
 is that worker i's inner phase starts from x_i rather than the mean. With doubly stochastic W1
 and W2 the mean of the x_i follows DiLoCo's outer recursion exactly.
 
-mix2_overlap takes Mix2 off the critical path, as Streaming DiLoCo and DiLoCo's eager updates
-overlap their outer all-reduce: round t's Mix2 is posted non-blocking and overlaps round t+1's
-inner steps, and a worker steps with its own fresh pseudo-gradient plus the correction the last
-round's Mix2 brought:
-
-    g_i(t) = Delta_i(t) + [(W2 Delta(t-1))_i - Delta_i(t-1)]
-
-The correction sums to zero over the workers (W2 doubly stochastic), so the mean still follows
-DiLoCo exactly; only the workers' spread sees Mix2 one round late. The run's last round mixes
-at once, so nothing is in flight when it ends. mix2_overlap_own w weighs the worker's own fresh
-pseudo-gradient as a stand-in for the mix on the wire:
-
-    g_i(t) = w Delta_i(t) + [(W2 Delta(t-1))_i - w Delta_i(t-1)]
-
-At w = 1/M with a complete Mix2 this is DiLoCo's eager update (Kale et al., arXiv 2502.12996).
-A smaller w keeps the workers closer together (each one's own noise enters scaled by w) at the
-price of a staler mean, which steps with w of this round's mean and 1 - w of the last.
-
 mix2_delay tau sends Mix2 tau inner steps before the round's end instead of at it (the shared
 round's overlap, outer/round.py): Delta_i is taken there, the worker takes its last tau steps
 while Mix2 is on the wire and keeps them, and at the round's end steps with the mix.
@@ -71,12 +53,7 @@ class FactoredGossipDiLoCo(OuterRound):
         momentum_policy: "local", "mixed" or "reset".
         mix1_weight: alpha, the share of Mix1 a worker takes.
         mix2_momentum: Mix2 also mixes the chosen tensors' momentum.
-        mix2_overlap: Mix2 overlaps the next round and comes back as a correction (above).
-        mix2_overlap_own: w, the weight of the worker's own fresh pseudo-gradient standing in
-            for an overlapped Mix2 (above).
         mix2_delay: Mix2 is sent this many inner steps before the round's end (above).
-        last_step: the run's last inner step (0: not known); with mix2_overlap the round that
-            ends there mixes at once.
         param_codec: Mix1's encoding (a dense codec; "": outer.codec when dense, else fp32).
         mix1_delta: Mix1 sends x_i less the last Mix1 mean, with error feedback (above); needs
             a complete Mix1 taken whole.
@@ -94,10 +71,7 @@ class FactoredGossipDiLoCo(OuterRound):
         momentum_policy: str = "local",
         mix1_weight: float = 1.0,
         mix2_momentum: bool = False,
-        mix2_overlap: bool = False,
-        mix2_overlap_own: float = 1.0,
         mix2_delay: int = 0,
-        last_step: int = 0,
         param_codec: str = "",
         mix1_delta: bool = False,
         **outer,
@@ -109,13 +83,7 @@ class FactoredGossipDiLoCo(OuterRound):
         self.momentum_policy = momentum_policy
         self.mix1_weight = mix1_weight
         self.mix2_momentum = mix2_momentum
-        self.mix2_overlap = mix2_overlap
-        self.own = mix2_overlap_own
-        self.last_step = last_step
         self.overlap = mix2_delay if self.in_mix2 else 0  # a delayed Mix2 (outer/round.py)
-        # Mix2 in flight (handle, what was sent, the buffer it mixes into), then its correction.
-        self._late: tuple[Handle, list[torch.Tensor], list[torch.Tensor]] | None = None
-        self._correction: list[torch.Tensor] | None = None
         self.param_codec = param_codec or dense_or_fp32(self.codec)
         self._mix1: tuple[Handle, list[torch.Tensor]] | None = None
         self.mix1_delta = mix1_delta
@@ -193,8 +161,6 @@ class FactoredGossipDiLoCo(OuterRound):
             self.start_round()
         if self._early is not None:
             self._land_mix2(deltas)
-        elif self.in_mix2 and self.mix2_overlap:
-            self._mix2_late(deltas)
         elif self.in_mix2:
             self._mix2(deltas)
         handle, mixed = self._mix1
@@ -220,11 +186,8 @@ class FactoredGossipDiLoCo(OuterRound):
         (built from what it sent) are dropped."""
         mixed = self.in_mix2 or [False] * len(deltas)
         for d, keep in zip(deltas, mixed, strict=True):
-            if not keep or self.mix2_overlap:  # a late Mix2 left its own delta in
+            if not keep:
                 d.zero_()
-        if self.mix2_overlap:  # its correction takes back what it sent: drop it
-            self._settle_mix2()
-            self._correction = None
         for m in self.momenta() or []:
             m.zero_()
 
@@ -236,58 +199,16 @@ class FactoredGossipDiLoCo(OuterRound):
         w2 = self._w2()
         self.comm.mix_(chosen, w2, codec=self.codec, feedback=self.feedback("mix2"), op="mix2")
 
-    def _mix2_late(self, deltas: list[torch.Tensor]) -> None:
-        """Post this round's Mix2 non-blocking and step with the last round's correction; the
-        round that ends the run waits for its own Mix2 too, so it leaves nothing in flight."""
-        correction = self._settle_mix2()
-        self._correction = None
-        idx = self._idx()
-        sent = [deltas[k].clone() for k in idx]
-        mixed = [d.clone() for d in sent]
-        w2 = self._w2()
-        feedback = self.feedback("mix2")
-        handle = self.comm.mix_(
-            mixed, w2, codec=self.codec, feedback=feedback, blocking=False, op="mix2"
-        )
-        self._late = (handle, sent, mixed)
-        if self.last_step and (self.round + 1) * self.H >= self.last_step:
-            late = self._settle_mix2()
-            correction = (
-                late
-                if correction is None
-                else [c + d for c, d in zip(correction, late, strict=True)]
-            )
-            self._correction = None
-        for k in idx:
-            deltas[k].mul_(self.own)
-        for k, c in zip(idx, correction or [], strict=False):
-            deltas[k].add_(c)
-
-    def _settle_mix2(self) -> list[torch.Tensor] | None:
-        """Wait for the Mix2 in flight and turn it into its correction, (W2 Delta)_i - w Delta_i
-        (None: no Mix2 has been posted since the last one was applied)."""
-        if self._late is not None:
-            handle, sent, mixed = self._late
-            handle.wait()
-            self._late = None
-            w = self.own
-            self._correction = [m.sub_(s, alpha=w) for m, s in zip(mixed, sent, strict=True)]
-        return self._correction
-
     def state_dict(self) -> dict:
         if self._mix1 is not None or self._early is not None:
             raise RuntimeError("checkpoint taken with a mix in flight; save at round ends only")
         state = super().state_dict()
         if self.mix1_delta and self._anchor is not None:
             state["mix1_anchor"] = [a.clone() for a in self._anchor]
-        if not self.mix2_overlap:
-            return state
-        correction = self._settle_mix2()  # the late Mix2 lands now, not at the next round's end
-        return {**state, "mix2_correction": [c.clone() for c in correction or []]}
+        return state
 
     def load_state_dict(self, state: dict, own: bool = True) -> None:
-        """A peer's state brings no correction: it is that peer's, not this worker's. Its Mix1
-        anchor is everyone's."""
+        """A peer's Mix1 anchor is everyone's, so a rejoining worker takes it too."""
         super().load_state_dict(state, own)
         anchor = state.get("mix1_anchor")
         if self.mix1_delta and anchor is None and self.round > 0:
@@ -296,6 +217,4 @@ class FactoredGossipDiLoCo(OuterRound):
                 "without mix1_delta); resume with outer.fgd.mix1_delta = false"
             )
         self._anchor = [a.clone() for a in anchor] if self.mix1_delta and anchor else None
-        self._late = self._early = None
-        correction = state.get("mix2_correction") if own else None
-        self._correction = [c.clone() for c in correction] if correction else None
+        self._early = None

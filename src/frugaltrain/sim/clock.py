@@ -271,9 +271,8 @@ class _NoLoCo(_Round):
 
 class _FGD(_Round):
     """outer/fgd.py: Mix1 of the parameters posted at a round's start, waited after the round's
-    blocking Mix2 of the chosen pseudo-gradients; with mix2_overlap, Mix2 is posted there and
-    waited at the next round's end (at once in the run's last round); with mix2_delay tau, it is
-    posted tau steps before the round's end and waited there."""
+    blocking Mix2 of the chosen pseudo-gradients; with mix2_delay tau, it is posted tau steps
+    before the round's end and waited there."""
 
     def __init__(self, cfg: Config, sizes: dict[str, int], net: _Lockstep) -> None:
         super().__init__(cfg, sizes, net)
@@ -283,9 +282,7 @@ class _FGD(_Round):
         self.mix2_numel = sum(n for n, keep in zip(sizes.values(), chosen, strict=False) if keep)
         self.mix2_on = bool(chosen)
         self.overlap = f.mix2_delay if self.mix2_on else 0
-        self.last_step = cfg.run.steps  # outer.build_strategy's last_step
         self.mix1: list | None = None
-        self.late: list | None = None  # an overlapped Mix2 in flight
 
     def start_round(self) -> None:
         if self.mix1 is not None:
@@ -310,23 +307,12 @@ class _FGD(_Round):
     def exchange(self) -> None:
         if self.mix1 is None:
             self.start_round()
-        w2 = self.w2()
         if self.early is not None:
             self.net.wait(self.early)
-        elif self.mix2_on and self.f.mix2_overlap:
-            self.settle()
-            self.late = self.net.post(self.mix2_numel, self.codec, w2)
-            if (self.round + 1) * self.H >= self.last_step:
-                self.settle()
         elif self.mix2_on:
-            self.net.wait(self.net.post(self.mix2_numel_sent(), self.codec, w2))
+            self.net.wait(self.net.post(self.mix2_numel_sent(), self.codec, self.w2()))
         self.net.wait(self.mix1)
         self.mix1 = None
-
-    def settle(self) -> None:
-        """Wait for the overlapped Mix2 in flight (also what state_dict does)."""
-        self.net.wait(self.late)
-        self.late = None
 
 
 class _Streaming(_Round):
@@ -393,7 +379,6 @@ def clock(cfg: Config, sim: SimSection) -> Clock:
     schedule = SCHEDULES[cfg.outer.strategy](cfg, sizes, net)
     dt = step_times(sim, M, steps, H)
     forge = is_forge(cfg.optim)  # FORGE leaves no gradient: the loop never calls sync_grads
-    snapshots = sim.drop_prob > 0 and sim.allreduce_policy == "rollback"  # at every round end
     ends, at = [], []
     for step in range(steps):  # the engine's worker loop (engine._run_worker, step.inner_step)
         schedule.before_step(step)
@@ -407,6 +392,4 @@ def clock(cfg: Config, sim: SimSection) -> Clock:
             if world.round_failed and isinstance(schedule, _Round):  # engine._restore_snapshot
                 schedule.rolled_back()
             world.round_failed = False
-            if snapshots and isinstance(schedule, _FGD):  # engine._take_snapshot's state_dict
-                schedule.settle()  # waits for an overlapped Mix2
     return Clock(ends, at, sum(world.compute_s), sum(world.blocking_s), sum(net.bytes_sent) / M)
