@@ -7,7 +7,7 @@ depend on whether the others are blocked.
         --seeds 0,1,2 --out benchmarks/results/time_to_loss.json
     python benchmarks/time_to_loss.py --table JSON              # the tables and the PNG again
     python benchmarks/time_to_loss.py --resimulate JSON [CASE]  # the simulator's curves again
-    python benchmarks/time_to_loss.py --penalties src/frugaltrain/sim/penalties.json
+    python benchmarks/time_to_loss.py --penalties benchmarks/results/penalties.json
                       # the planner's step penalties (`frugaltrain plan`), from PENALTY_FILES
                       # (the runs in PLANNER, under the names a user types)
     python benchmarks/time_to_loss.py --check-against JSON [--before]
@@ -724,7 +724,7 @@ def penalties(files: list[tuple[str, dict]]) -> dict:
 
 
 def packaged_penalties(files: list[tuple[str, dict]]) -> dict:
-    """The planner's table as it ships (src/frugaltrain/sim/penalties.json): `penalties` of the
+    """The planner's table as it ships (benchmarks/results/penalties.json): `penalties` of the
     runs in PLANNER under their users' names, each [outer] table as a user writes it
     (as_written); the run's name stays as provenance ("run")."""
     lab = penalties(files)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 SRC = Path(__file__).resolve().parent.parent / "src" / "frugaltrain"
 
 # Lower numbers sit lower. A module may import its own part and anything strictly lower; parts on
@@ -181,3 +183,26 @@ def test_the_control_plane_imports_no_torch():
     code = f"import sys, {modules}\nassert 'torch' not in sys.modules, 'torch was imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+LAB = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_the_package_is_apart_from_the_lab():
+    """The product is src/frugaltrain/, the lab (benchmarks, result files, measured penalties)
+    sits beside it: no product module imports a lab script, and the package ships no data, so
+    a measurement never hides in it (the planner reads its penalties from a file it names)."""
+    scripts = {p.stem for p in LAB.glob("*.py")} | {"benchmarks"}
+    imports = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            imports += [f"{path.relative_to(SRC)} imports {n}" for n in names if n in scripts]
+    assert not imports, imports
+    data = [p for p in SRC.rglob("*") if p.is_file() and p.suffix != ".py" and "__pycache__"
+            not in p.parts]  # fmt: skip
+    assert not data, data
+    pyproject = tomllib.loads((SRC.parent.parent / "pyproject.toml").read_text())
+    assert "package-data" not in pyproject["tool"]["setuptools"]

@@ -127,7 +127,7 @@ def test_key_set_is_pinned():
         ],
         "noloco": ["group_size", "consensus_pull"],
         "streaming": ["fragments", "overlap", "merge_alpha"],
-        "auto": ["link_mbit", "link_json", "methods"],
+        "auto": ["link_mbit", "link_json", "penalties", "methods"],
     }
 
 

@@ -3,7 +3,7 @@ every method it offers, every figure it prints carries its label, it names metho
 types them and never by a benchmark run, its pick comes as an [outer] table a config runs
 (--write), --check trains the pick and DiLoCo on emulated links, bad input stops it before any
 work, it times exactly one warm-up and three inner steps, auto runs a concrete method and a
-resumed run keeps it, and its packaged penalties are what the benchmark's results give."""
+resumed run keeps it, and its penalties file is what the benchmark's results give."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import tomllib
 from frugaltrain.config import (
     AUTO_METHODS,
     FGD_PRESETS,
+    PENALTIES,
     Config,
     ConfigError,
     build_config,
@@ -636,6 +637,7 @@ def test_packaged_penalties_are_what_the_results_give():
     measured = {m for _, record in files for m in record["methods"]}
     assert set(bench.PLANNER) <= measured and list(bench.PLANNER.values()) == list(AUTO_METHODS)
     pen = load_penalties()
+    assert pen.pop("file") == PENALTIES and (ROOT / PENALTIES).is_file()  # the lab's file
     assert pen == json.loads(json.dumps(bench.packaged_penalties(files)))
     assert list(pen["methods"]) == list(AUTO_METHODS)
     assert {m["run"] for m in pen["methods"].values()} == set(bench.PLANNER)
@@ -650,8 +652,6 @@ def test_packaged_penalties_are_what_the_results_give():
         "strategy": "diloco", "lr": 1.0, "momentum": 0, "codec": "e3m0",
         "coded_average": "reduce_scatter", "diloco": {"overlap": 1},
     }  # fmt: skip
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "sim/penalties.json" in pyproject["tool"]["setuptools"]["package-data"]["frugaltrain"]
 
 
 def test_penalties_refuse_results_of_another_setup():
@@ -734,3 +734,17 @@ def test_check_against_the_measurements_prints_every_case():
         assert (f"a near tie with {tie}" in line) if tie else ("near tie" not in line)
         row = f"| {case['case']} | {tie} | "
         assert not tie or "near tie" in next(x for x in lines if x.startswith(row))
+
+
+def test_the_plan_names_its_penalties_file_and_refuses_a_missing_one(make_config, tmp_path):
+    lines = format_plan(_plan(make_config)).splitlines()
+    assert lines[3].startswith(f"steps to DiLoCo's loss: {PENALTIES}, measured on")
+    with pytest.raises(ConfigError, match="--penalties 'nope.json': no such file"):
+        load_penalties("nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    with pytest.raises(ConfigError, match="not a penalties file"):
+        load_penalties(str(bad))
+    sets = ("outer.strategy='auto'", "outer.auto.link_mbit=[20]", "run.workers=2")
+    with pytest.raises(ConfigError, match="outer.auto.penalties = 'nope.json': no such file"):
+        make_config(*sets, "outer.auto.penalties='nope.json'")

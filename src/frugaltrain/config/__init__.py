@@ -22,6 +22,7 @@ from frugaltrain.config.training import (
     INNER_OPTIMIZERS,
     MODEL_FAMILIES,
     OUTER_KEYS,
+    PENALTIES,
     SHARED_KEYS,
     SPARSE_CODEC,
     TOPOLOGIES,
@@ -54,6 +55,7 @@ def load_config(path=None, overrides: list[str] | None = None) -> Config:
 
 __all__ = [
     "AUTO_METHODS",
+    "PENALTIES",
     "ArgumentParser",
     "AutoSection",
     "CODECS",

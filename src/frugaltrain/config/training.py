@@ -47,10 +47,14 @@ AUTO_METHODS = {
     "ddp": "DDP",
 }
 """The methods `outer.strategy = "auto"` and `frugaltrain plan` choose from: the name a user
-types (--methods, outer.auto.methods) and what it is, in words. sim/penalties.json holds each
-one's [outer] table as measured side by side (benchmarks/time_to_loss.py) and its measured step
-penalty. diloco-4bit and diloco-overlap (examples/default.toml's [outer]) ran at half DiLoCo's H
-and plan at half of outer.H; fgd is examples/fgd_globalm1_localm2_4bit.toml's method."""
+types (--methods, outer.auto.methods) and what it is, in words. The penalties file (PENALTIES)
+holds each one's [outer] table as measured side by side (benchmarks/time_to_loss.py) and its
+measured step penalty. diloco-4bit and diloco-overlap (examples/default.toml's [outer]) ran at
+half DiLoCo's H and plan at half of outer.H; fgd is examples/fgd_globalm1_localm2_4bit.toml's
+method."""
+PENALTIES = "benchmarks/results/penalties.json"
+"""The step penalties the planner reads unless told otherwise (outer.auto.penalties, plan
+--penalties), relative to the working directory: the lab's measured file in this repository."""
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
@@ -565,6 +569,10 @@ class AutoSection(Section):
     link_json: str = ""
     """A link probe's JSON (`frugaltrain netlab probe --out FILE`): the all-reduce's and the pair
     exchange's effective rates (measured). Set this or link_mbit."""
+    penalties: str = PENALTIES
+    """The measured step penalties the planner weighs methods by (a JSON file written by
+    `python benchmarks/time_to_loss.py --penalties FILE`; relative to the working directory).
+    The plan prints which file it read; the package ships none."""
     methods: list[str] = field(default_factory=list)
     """The methods to choose from, by name (config.AUTO_METHODS: diloco, diloco-4bit,
     diloco-overlap, streaming, noloco, fgd, ddp); empty: all of them."""
@@ -924,6 +932,12 @@ def _check_auto(a: AutoSection, r: RunSection) -> None:
         len(a.link_mbit) in (0, 1, r.workers),
         "link_mbit",
         f"give one rate for every worker or run.workers = {r.workers} rates",
+    )
+    a.require(
+        Path(a.penalties).expanduser().is_file(),
+        "penalties",
+        "no such file; run from the repository's root, or write one with "
+        "`python benchmarks/time_to_loss.py --penalties FILE` and set outer.auto.penalties",
     )
 
 

@@ -14,7 +14,7 @@ then it is twice, or whatever the fraction makes it (baseline_H):
                    equal to `simulate`'s), compute fixed at the step time
     steps needed   measured: the fraction of DiLoCo's steps the method took to reach DiLoCo's
                    final validation loss in benchmarks/time_to_loss.py (mean over seeds; the
-                   packaged penalties.json says on which corpus, tuned on which)
+                   penalties file says on which corpus, tuned on which)
     time to loss   estimated: the clock at that fraction of run.steps, and its ratio to DiLoCo's
 
 The pick is the method with the shortest estimated time, given as the [outer] table that runs it
@@ -42,6 +42,7 @@ import torch
 from frugaltrain.config import (
     AUTO_METHODS,
     OUTER_KEYS,
+    PENALTIES,
     Config,
     ConfigError,
     build_config,
@@ -56,14 +57,29 @@ from frugaltrain.sim.config import SimSection
 from frugaltrain.step import inner_step, worker_threads
 
 BASELINE = "diloco"
-PENALTIES = Path(__file__).with_name("penalties.json")
-"""Each method's [outer] table and measured step penalty, by the names of config.AUTO_METHODS,
-written from benchmarks/results/ by `python benchmarks/time_to_loss.py --penalties` (each entry's
-"run" and "source": the run and the results file it was measured in)."""
 
 
-def load_penalties() -> dict:
-    return json.loads(PENALTIES.read_text())
+def load_penalties(path: str = PENALTIES, key: str = "--penalties") -> dict:
+    """The step penalties in `path` (relative to the working directory; config.PENALTIES by
+    default): each method's [outer] table and measured step penalty, by the names of
+    config.AUTO_METHODS, written by `python benchmarks/time_to_loss.py --penalties FILE` (each
+    entry's "run" and "source": the run and the results file it was measured in). The package
+    ships no measurement; the file's path goes in the "file" field, which a plan prints. A
+    missing or unreadable file is refused naming `key`."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(
+            f"{key} {path!r}: no such file; the planner weighs methods by measured step "
+            "penalties: run from the repository's root (benchmarks/results/penalties.json) or "
+            "write them with `python benchmarks/time_to_loss.py --penalties FILE`"
+        )
+    try:
+        penalties = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key} {path!r}: not a penalties file ({e})") from None
+    if not isinstance(penalties, dict) or not isinstance(penalties.get("methods"), dict):
+        raise ConfigError(f'{key} {path!r}: not a penalties file (no "methods" table)')
+    return {**penalties, "file": str(path)}
 
 
 def check_methods(names: list[str], key: str, known: Collection[str] = AUTO_METHODS) -> None:
@@ -398,7 +414,7 @@ def make_plan(
 ) -> Plan:
     """Every method's predicted time to DiLoCo's loss on `links` at `step`, and the pick among
     `methods` (default: all of the table's); `penalties`: the step penalties' table (default:
-    the packaged one, `load_penalties`, whose methods are config.AUTO_METHODS; the benchmark
+    config.PENALTIES's, `load_penalties`, whose methods are config.AUTO_METHODS; the benchmark
     passes its own, by run name)."""
     pen = penalties or load_penalties()
     methods = list(methods or pen["methods"])
@@ -485,7 +501,8 @@ def format_plan(plan: Plan) -> str:
         f"step time: {p.step.seconds:.4g} s, {p.step.label}",
         f"links: {p.links.what}, {p.links.label}"
         + (f"; point-to-point at {p.links.p2p_ratio:.2f}x" if p.links.label == "measured" else ""),
-        f"steps to DiLoCo's loss: measured on {pen['measured_on']} with {pen['workers']} "
+        f"steps to DiLoCo's loss: {pen.get('file', 'the given table')}, measured on "
+        f"{pen['measured_on']} with {pen['workers']} "
         f"workers, {pen['steps']} steps, H = {pen['H']}, seeds {_seeds(pen['seeds'])} "
         f"({_files(pen['source'])}, {pen['date'][:10]}); tuned on {pen['tuned_on']}",
         "",
@@ -575,7 +592,8 @@ def resolve_auto(cfg: Config) -> tuple[Config, Plan]:
         links = read_probe(a.link_json, cfg.run.workers, "outer.auto.link_json")
     else:
         links = links_given(a.link_mbit, cfg.run.workers, "outer.auto.link_mbit")
-    plan = make_plan(cfg, links, measure_step_time(cfg), a.methods or None)
+    pen = load_penalties(a.penalties, "outer.auto.penalties")
+    plan = make_plan(cfg, links, measure_step_time(cfg), a.methods or None, pen)
     if plan.pick is None:
         raise ConfigError(
             f"outer.strategy = 'auto': {plan.reason}; set outer.strategy to a method, or "

@@ -47,6 +47,7 @@ from frugaltrain.sim.plan import (
     format_plan,
     links_from_probe,
     links_given,
+    load_penalties,
     make_plan,
     measure_step_time,
     plan_json,
@@ -73,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         metavar="A,B,...",
         help=f"methods to pick from: {', '.join(AUTO_METHODS)} (default: all)",
+    )
+    p.add_argument(
+        "--penalties",
+        metavar="FILE",
+        help="the measured step penalties (default: outer.auto.penalties, "
+        "benchmarks/results/penalties.json from the repository's root)",
     )
     p.add_argument("--json", metavar="OUT", help="also write the plan as JSON")
     p.add_argument(
@@ -109,6 +116,7 @@ def _plan(args) -> int:
     check_methods(methods, "--methods")
     _check_flags(args)
     cfg = load_config(args.config, args.set)
+    pen = load_penalties(args.penalties or cfg.outer.auto.penalties)
     links = _links(args, cfg)
     if links is None and not _under_torchrun():
         raise ConfigError(NO_LINKS)
@@ -117,7 +125,7 @@ def _plan(args) -> int:
         links, step, is_rank0 = _on_the_workers(cfg, links)
     else:
         step, is_rank0 = measure_step_time(cfg), True
-    plan = make_plan(cfg, links, step, methods or None)
+    plan = make_plan(cfg, links, step, methods or None, pen)
     if not is_rank0:
         return 0
     print(format_plan(plan), flush=True)
