@@ -732,7 +732,13 @@ def packaged_penalties(files: list[tuple[str, dict]]) -> dict:
     for run, name in PLANNER.items():
         entry = lab["methods"][run]
         methods[name] = {"run": run, **entry, "outer": as_written(entry["outer"])}
-    return {**lab, "methods": methods}
+    made = {  # how this file was made, from where (the runs' machine), each method's [outer]
+        "command": "python benchmarks/time_to_loss.py --penalties "
+        "benchmarks/results/penalties.json",
+        "machine": files[0][1]["machine"],
+        "outer_tables": {name: m["outer"] for name, m in methods.items()},
+    }
+    return {**made, **lab, "methods": methods}
 
 
 def as_written(outer: dict) -> dict:
