@@ -4,7 +4,8 @@ docs/results/fgd_experiments.sh, packed into one committed result file.
     bash docs/results/fgd_experiments.sh                          # runs/fgd (about 75 min)
     python benchmarks/fgd_tables.py runs/fgd --pack benchmarks/results/fgd_sim.json
     python benchmarks/fgd_tables.py benchmarks/results/fgd_sim.json [--plots docs/results]
-    python benchmarks/tables.py                                   # the tables in fgd.md
+
+(docs/results/fgd.md keeps these tables as frozen text, each naming fgd_sim.json.)
 
 Utilization, wall-clock and energy figures are simulated (energy: an estimate on the simulated
 clock). Losses are real losses of the real computation on the synthetic Markov source, reported
