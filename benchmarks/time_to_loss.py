@@ -55,6 +55,7 @@ import provenance
 
 from frugaltrain.config import load_config, to_toml
 from frugaltrain.metrics.log import read_metrics
+from frugaltrain.metrics.report import time_to
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -282,17 +283,6 @@ def curve(run_dir: Path, clock: str = "training") -> dict:
         - blocking
         - sum(r.get("time/eval_s", 0.0) for r in rounds[:-1]),
     }
-
-
-def time_to(target: float, t: list[float], loss: list[float]) -> float | None:
-    """First wall clock at which the curve reaches `target` (linear between evaluations)."""
-    for k, (tk, lk) in enumerate(zip(t, loss, strict=True)):
-        if lk <= target:
-            if k == 0:
-                return tk
-            t0, l0 = t[k - 1], loss[k - 1]
-            return t0 + (tk - t0) * (l0 - target) / (l0 - lk)
-    return None
 
 
 def loss_at(t_s: float, t: list[float], loss: list[float]) -> float | None:

@@ -31,6 +31,7 @@ from frugaltrain.config import (
     to_dict,
     to_toml,
 )
+from frugaltrain.metrics.report import time_to
 from frugaltrain.sim import SimSection, simulate
 from frugaltrain.sim import plan as planner
 from frugaltrain.sim.clock import clock
@@ -506,8 +507,8 @@ def test_check_steps_are_whole_rounds_of_both_methods():
     assert plan_check.check_steps(20, [10, 5], 160) == 20
     assert plan_check.check_steps(4, [6, 3], 12) == 6
     assert plan_check.check_steps(100, [10, 5], 40) == 40
-    assert plan_check._time_to(2.5, [1.0, 3.0], [3.0, 2.0]) == pytest.approx(2.0)
-    assert plan_check._time_to(1.0, [1.0, 3.0], [3.0, 2.0]) is None
+    assert time_to(2.5, [1.0, 3.0], [3.0, 2.0]) == pytest.approx(2.0)
+    assert time_to(1.0, [1.0, 3.0], [3.0, 2.0]) is None
 
 
 def test_check_trains_the_pick_and_diloco_on_emulated_links(make_config, tmp_path, capsys):

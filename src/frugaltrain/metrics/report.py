@@ -117,13 +117,17 @@ def clock_label(figures: dict) -> str:
 def time_to_loss(records: list[dict], target: float) -> float | None:
     """Wall seconds (the run's own clock) until its validation loss first reached `target`,
     interpolated linearly between evaluations; None if it never did."""
-    walls, losses = wall_curve(records)
-    for i, (t, loss) in enumerate(zip(walls, losses, strict=True)):
+    return time_to(target, *wall_curve(records))
+
+
+def time_to(target: float, seconds: list[float], losses: list[float]) -> float | None:
+    """The first time a loss curve reaches `target`, linear between its points; None: never."""
+    for k, (t, loss) in enumerate(zip(seconds, losses, strict=True)):
         if loss > target:
             continue
-        if i == 0 or losses[i - 1] == loss:
+        if k == 0 or losses[k - 1] == loss:
             return t
-        t0, l0 = walls[i - 1], losses[i - 1]
+        t0, l0 = seconds[k - 1], losses[k - 1]
         return t0 + (l0 - target) / (l0 - loss) * (t - t0)
     return None
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from frugaltrain.config import AUTO_METHODS, Config, build_config, to_dict, to_toml
 from frugaltrain.metrics.log import read_metrics
+from frugaltrain.metrics.report import time_to
 from frugaltrain.sim.plan import BASELINE, Plan
 
 STEPS = 20
@@ -112,7 +113,7 @@ def run_check(cfg: Config, plan: Plan, requested: int) -> Check:
         run(mcfg, run_dir)
         runs[method] = _read(method, table["H"], run_dir)
     diloco, mine = runs[BASELINE], runs[plan.pick]
-    reached = _time_to(diloco.val_loss, *mine.curve)
+    reached = time_to(diloco.val_loss, *mine.curve)
     if reached is not None:
         x, measure = reached / diloco.wall_s, TIME_TO_LOSS
     else:
@@ -132,17 +133,6 @@ def _read(method: str, H: int, run_dir: Path) -> CheckRun:
         spent += r.get("time/eval_s", 0.0)
     assert rounds and "loss/val" in rounds[-1], f"{run_dir}: no evaluation at the last step"
     return CheckRun(method, H, seconds[-1], losses[-1], (seconds, losses), run_dir)
-
-
-def _time_to(target: float, seconds: list[float], losses: list[float]) -> float | None:
-    """First time the curve reaches `target`, linear between evaluations; None: never."""
-    for k, (t, loss) in enumerate(zip(seconds, losses, strict=True)):
-        if loss <= target:
-            if k == 0:
-                return t
-            t0, l0 = seconds[k - 1], losses[k - 1]
-            return t0 + (t - t0) * (l0 - target) / (l0 - loss)
-    return None
 
 
 def format_check(c: Check, run_steps: int) -> str:
