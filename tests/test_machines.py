@@ -16,7 +16,7 @@ from frugaltrain.cluster.auth import new_token
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import checkpoint, launch
 
-WAIT_S = 15  # fault_tolerance.coordinator_wait_s: longer than the coordinator takes to start
+WAIT_S = 15  # fault_tolerance.coordinator_wait_s: how long running workers hold on without it
 SETS = (
     "run.workers=2",
     "run.steps=240",  # 60 rounds of H = 4

@@ -373,22 +373,29 @@ class Agent:
 
 def _join_when_back(agent: Agent, run_dir: Path) -> dict | None:
     """`join --resume`: the coordinator may not be back yet, so try every PING_S for the run's
-    fault_tolerance.coordinator_wait_s before giving up with one line."""
+    run.timeout_s before giving up with one line. Nothing runs on this machine meanwhile, so it
+    may wait longer than running workers hold on without the coordinator (coordinator_wait_s);
+    a coordinator restarted on a loaded host can take that long to listen."""
     cfg = build_config(Config, read_toml(run_dir / "config.toml"))
-    wait_s, t0, said = coordinator_wait_s(cfg), time.monotonic(), False
+    wait_s, t0, said = cfg.run.timeout_s, time.monotonic(), -1
     while True:
         try:
             return agent.join()
         except (ConnectionError, TimeoutError) as e:  # refused or reset: not up yet
-            if time.monotonic() - t0 >= wait_s:
+            waited = time.monotonic() - t0
+            if waited >= wait_s:
                 raise ConnectionError(
-                    f"no coordinator at {agent.address} within {wait_s:g} s "
-                    f"(fault_tolerance.coordinator_wait_s): {short(e)}; start `frugaltrain "
-                    "coordinator --resume RUN_DIR` there, then join again"
+                    f"no coordinator at {agent.address} within {wait_s:g} s (run.timeout_s): "
+                    f"{short(e)}; start `frugaltrain coordinator --resume RUN_DIR` there, then "
+                    "join again"
                 ) from e
-            if not said:
-                print(f"[agent] no coordinator at {agent.address} yet; trying again", flush=True)
-                said = True
+            if said < 0 or waited - said >= 10:  # a line now and then, not every try
+                print(
+                    f"[agent] no coordinator at {agent.address} yet; trying again "
+                    f"({waited:.0f} s of {wait_s:g})",
+                    flush=True,
+                )
+                said = waited
             time.sleep(PING_S)
 
 
