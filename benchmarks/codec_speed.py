@@ -3,7 +3,7 @@ coding costs inside a worker's CPU share (a worker held to 0.4 core pays 2.5x th
 
 Beside the packed e3m0 codec (comm/compress.py) runs `e3m0-formula`, the same values computed
 elementwise as the format is defined (compress.e3m0_by_formula: exp2 and selects per value,
-unpacked); the two give the same bits (tests/test_mixing.py). Each variant runs `--reps` times,
+unpacked); the two give the same bits (tests/comm/test_mixing.py). Each variant runs `--reps` times,
 alternating, after a warm-up; the table gives the median and the min-max, and e3m0's round
 trip as a ratio to the formula's.
 

@@ -3,7 +3,8 @@
 Older runs recorded each run's temporary directory (tempfile.mkdtemp, under /tmp) in their
 overrides or config, e.g. "run.out_dir='/tmp/tmpab12'". That path named the machine the run was
 made on and means nothing elsewhere, and nothing in the repo may name a machine's paths
-(tests/test_result_files.py). This rewrites every such path, alone or inside a longer string,
+(tests/benchmarks/test_result_files.py). This rewrites every such path, alone or inside a longer
+string,
 dict keys included, relative to a placeholder: "/tmp/tmpab12/run" -> "$TMPDIR/tmpab12/run".
 Every number and every other string stays as it was, the key order too, and the file is written
 in its own layout (indentation, escaping, final newline). A file that changes gets one top-level

@@ -11,8 +11,8 @@ markers is typed by hand. Only the tables a user decides by are generated (the R
 headline, one or two per topic page); every other table in the docs is frozen Markdown that
 names the results file it came from. `python benchmarks/tables.py` rewrites every generated
 table; `--check` rewrites nothing and exits 1 naming each table whose doc differs
-(tests/test_tables.py runs it, so a number edited by hand, or a result file changed without its
-doc, fails the tests).
+(tests/benchmarks/test_tables.py runs it, so a number edited by hand, or a result file changed
+without its doc, fails the tests).
 
     python benchmarks/tables.py            # rewrite the tables in README.md and docs/
     python benchmarks/tables.py --check    # compare only

@@ -16,28 +16,28 @@ from frugaltrain.config import Config, build_config
 # share the cores; the other worker runs everything else beside them.
 GROUPS = {
     "ft": (
-        "tests/ft/test_ft_faults.py",
-        "tests/ft/test_ft_strategies.py",
-        "tests/ft/test_ft_sharded.py",
-        "tests/ft/test_orphan.py",
+        "tests/comm/ft/test_ft_faults.py",
+        "tests/comm/ft/test_ft_strategies.py",
+        "tests/comm/ft/test_ft_sharded.py",
+        "tests/train/test_orphan.py",
     ),
     "machines": (
-        "tests/ft/test_machines_netlab.py",
-        "tests/test_machines.py",
-        "tests/test_multihost.py",
+        "tests/netlab/test_machines_netlab.py",
+        "tests/cluster/test_machines.py",
+        "tests/train/test_multihost.py",
     ),
 }
 
 # Module-scoped fixtures that train reference jobs (20-60 s each): the tests that use one run on
 # one worker, so its jobs run once instead of once on each worker.
 SHARED_JOBS = {
-    "tests/test_sharding.py": ("runs",),
-    "tests/test_outer.py": ("gloo_runs",),
+    "tests/train/test_sharding.py": ("runs",),
+    "tests/outer/test_outer.py": ("gloo_runs",),
     "tests/test_outer_loop.py": ("gloo_runs",),
-    "tests/test_hf_models.py": ("runs",),
-    "tests/test_observability.py": ("real_run", "sim_run"),
+    "tests/models/test_hf_models.py": ("runs",),
+    "tests/metrics/test_observability.py": ("real_run", "sim_run"),
     "tests/sim/test_sim_equality.py": ("runs",),
-    "tests/ft/test_ft_poisoning.py": ("clean",),
+    "tests/comm/ft/test_ft_poisoning.py": ("clean",),
 }
 
 

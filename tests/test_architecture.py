@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tomllib
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "frugaltrain"
+SRC = Path(__file__).resolve().parents[1] / "src" / "frugaltrain"
 
 # Lower numbers sit lower. A module may import its own part and anything strictly lower; parts on
 # one level are independent of each other.
@@ -185,7 +185,7 @@ def test_the_control_plane_imports_no_torch():
     assert done.returncode == 0, done.stderr
 
 
-LAB = Path(__file__).resolve().parent.parent / "benchmarks"
+LAB = SRC.parent.parent / "benchmarks"
 
 
 def test_the_package_is_apart_from_the_lab():
@@ -206,3 +206,22 @@ def test_the_package_is_apart_from_the_lab():
     assert not data, data
     pyproject = tomllib.loads((SRC.parent.parent / "pyproject.toml").read_text())
     assert "package-data" not in pyproject["tool"]["setuptools"]
+
+
+TESTS = Path(__file__).resolve().parent
+MAX_FLAT_TESTS = 6  # the architecture, golden hashes, bad input and top-level modules
+
+
+def test_tests_mirror_src():
+    """Each folder of tests/ is a package of src/frugaltrain/ (comm/ft/ included), the lab's
+    benchmarks/, or the shared helpers/ and golden/ data; few test files sit flat."""
+    packages = {p.relative_to(SRC) for p in SRC.rglob("__init__.py")}
+    packages = {str(p.parent) for p in packages} | {"benchmarks", "helpers", "golden"}
+    folders = {
+        str(p.relative_to(TESTS))
+        for p in TESTS.rglob("*")
+        if p.is_dir() and "__pycache__" not in p.parts
+    }
+    assert folders <= packages, sorted(folders - packages)
+    flat = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert len(flat) <= MAX_FLAT_TESTS, flat

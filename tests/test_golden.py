@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_pool import train_in_gloo_pool
+from helpers.gloo_pool import train_in_gloo_pool
 
 from frugaltrain.config import to_toml
 from frugaltrain.sim import SimSection, simulate

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_pool import free_port
+from helpers.gloo_pool import free_port
 from torch import nn
 
 import frugaltrain

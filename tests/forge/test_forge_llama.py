@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TINY_LLAMA
+from helpers.tiny_models import TINY_LLAMA
 
 from frugaltrain.config import Config
 from frugaltrain.config.base import build_config

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gloo_pool import train_in_gloo_pool
+from helpers.gloo_pool import train_in_gloo_pool
 
 from frugaltrain.config import to_toml
 from frugaltrain.sim import SimSection, simulate

@@ -2,7 +2,7 @@
 
 One source for the keys: each field of a section carries its docstring (the string right after
 it), and docs/library.md's "Every config key" table is generated from those, so the docs cannot
-drift from the code (tests/test_config_keys_doc.py compares them). After changing a key:
+drift from the code (tests/config/test_config_keys_doc.py compares them). After changing a key:
 
     python -m frugaltrain.config.keys_doc docs/library.md          # rewrite the table
     python -m frugaltrain.config.keys_doc docs/library.md --check  # exit 1 if it is stale

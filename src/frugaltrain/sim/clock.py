@@ -10,9 +10,9 @@ things, which this module replays in milliseconds:
 
 The schedules below are outer/'s strategies and comm/base.py's dispatch written out with sizes
 in place of tensors: every worker posts the same operations in the same order, so they are posted
-for all workers, then waited for all (the engine's threads meet the same way). tests/test_plan.py
-checks them against `simulate` for every method the planner offers, to the last bit, so the two
-cannot drift apart.
+for all workers, then waited for all (the engine's threads meet the same way).
+tests/train/test_plan.py checks them against `simulate` for every method the planner offers, to
+the last bit, so the two cannot drift apart.
 
 Left out: crashes and rejoins (sim.crash_worker), compute = measured (it needs the real steps),
 and the guard's norm exchange (it moves no simulated time).

@@ -1,5 +1,5 @@
 """A run across machines as processes on this host: `frugaltrain coordinator` and two
-`frugaltrain join` agents on 127.0.0.1 (tests/ft/test_machines_netlab.py gives each machine a
+`frugaltrain join` agents on 127.0.0.1 (tests/netlab/test_machines_netlab.py gives each machine a
 network namespace of its own). With no faults the run equals, bit for bit, the same config
 under the local launcher; a machine without the run's token is refused and gets nothing."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_records import membership
-from machines_run import Run, rounds_logged, wait_for
+from helpers.ft_records import membership
+from helpers.machines_run import Run, rounds_logged, wait_for
 
 from frugaltrain.cluster.auth import new_token
 from frugaltrain.metrics.log import read_metrics

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ft_records import members_per_round, membership
+from helpers.ft_records import members_per_round, membership
 
 from frugaltrain.faults import Injector, parse
 from frugaltrain.metrics.log import read_metrics

@@ -1,5 +1,5 @@
 """transformers models (a tiny Llama, grouped-query attention) under every strategy and FORGE,
-against the same references as the built-in GPT (tests/test_outer.py): with exact mixes fgd is
+against the same references as the built-in GPT (tests/outer/test_outer.py): with exact mixes fgd is
 DiLoCo, one-group NoLoCo without pull is heavy-ball DiLoCo, one-fragment Streaming is DiLoCo, all
 bitwise, and a simulated run equals the real one bitwise. Also: named parts on the transformers
 module tree, export to the transformers format, and clear errors."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_pool import train_in_gloo_pool
-from tiny_models import TINY_LLAMA
+from helpers.gloo_pool import train_in_gloo_pool
+from helpers.tiny_models import TINY_LLAMA
 
 from frugaltrain.config import ConfigError, to_toml
 from frugaltrain.models import build_model, evaluate

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_pool import free_port
+from helpers.gloo_pool import free_port
 
 from frugaltrain.cli import main
 from frugaltrain.config import Config, ConfigError, to_toml
@@ -28,7 +28,7 @@ from frugaltrain.sim import SimSection, simulate
 from frugaltrain.train import checkpoint, launch, nodes
 
 # One worker per node: two per node cost twice the time (process starts) and test no more
-# on two nodes than tests/test_launch_torchrun.py does on one (a second local rank).
+# on two nodes than tests/train/test_launch_torchrun.py does on one (a second local rank).
 NODES, PER_NODE = 2, 1
 WORKERS = NODES * PER_NODE
 SETS = (

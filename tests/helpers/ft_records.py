@@ -1,5 +1,5 @@
-"""What a fault-tolerant run's metrics.jsonl says about its membership (tests/ft): which mechanism
-reported each change, and how many members each round ran with.
+"""What a fault-tolerant run's metrics.jsonl says about its membership (tests/comm/ft,
+tests/cluster): which mechanism reported each change, and how many members each round ran with.
 
 Membership records (`"kind": "membership"`, comm/ft/world.py) carry `round`: the last round the
 recording worker had finished when the change took effect. A change found in a round's own

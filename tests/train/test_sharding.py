@@ -3,7 +3,8 @@
 checkpoint written by 2 shards resumes at 4 shards and at 1 (and 2 replicas x 2 at 2 x 1) to
 the parameters of the uninterrupted run; activation checkpointing changes nothing.
 
-One pool of 4 gloo processes runs every job (tests/shard_pool.py), 2 outer rounds of 3 steps.
+One pool of 4 gloo processes runs every job (tests/helpers/shard_pool.py), 2 outer rounds of 3
+steps.
 
 Tolerance (TOL, absolute, on parameters of magnitude below 1): the sharded and unsharded runs do
 the same arithmetic in another order. Each shard takes half of its replica's batch and FSDP2's
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_pool import train_sharded
-from tiny_models import TINY_LLAMA
+from helpers.shard_pool import train_sharded
+from helpers.tiny_models import TINY_LLAMA
 
 from frugaltrain import cli
 from frugaltrain.comm import LocalComm

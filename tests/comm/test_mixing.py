@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_pool import free_port
+from helpers.gloo_pool import free_port
 
 from frugaltrain.comm import compress, topology, torchdist
 from frugaltrain.comm.base import weighted_sum

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from gloo_pool import free_port
-
 from frugaltrain.cluster.auth import new_token
 from frugaltrain.config import to_toml
+from helpers.gloo_pool import free_port
 
 
 def machine_cmd(*args: str) -> list[str]:

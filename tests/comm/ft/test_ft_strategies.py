@@ -1,10 +1,10 @@
 """Recovery in every strategy on the real runtime: 3 gloo worker processes, faults injected,
 run.timeout_s left at its default (300 s) so that no recovery may lean on it.
 
-What the runs' records must show (tests/ft_records.py): each membership change was found by the
-mechanism expected for its fault (a killed peer's gloo error, the heartbeat timeout, the adaptive
-deadline), never by run.timeout_s, in the round the fault struck; every round was logged, with
-as many members as the changes recorded before it. A wait of run.timeout_s (300 s) that no
+What the runs' records must show (tests/helpers/ft_records.py): each membership change was found
+by the mechanism expected for its fault (a killed peer's gloo error, the heartbeat timeout, the
+adaptive deadline), never by run.timeout_s, in the round the fault struck; every round was logged,
+with as many members as the changes recorded before it. A wait of run.timeout_s (300 s) that no
 record names would also run past the suite's 120 s limit per test (pyproject.toml). Every worker
 sleeps 0.1 s after each inner step (no CPU used) so that rounds last long enough for a killed
 worker to restart and rejoin.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_records import detected_by, members_per_round, membership
+from helpers.ft_records import detected_by, members_per_round, membership
 
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import launch

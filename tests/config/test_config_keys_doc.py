@@ -11,7 +11,7 @@ import pytest
 from frugaltrain.config import Config, flat_items, to_dict
 from frugaltrain.config.keys_doc import BEGIN, END, key_rows, key_table, main, with_table
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "library.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "library.md"
 
 
 def _block(text: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_pool import free_port
+from helpers.gloo_pool import free_port
 
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_pool import free_port
+from helpers.gloo_pool import free_port
 
 from frugaltrain.comm import topology
 from frugaltrain.comm.base import Comm, Exchange, Handle, ring_allreduce_bytes

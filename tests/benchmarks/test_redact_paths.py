@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _redact_paths():
@@ -23,7 +23,7 @@ def _redact_paths():
 
 
 def _machine_paths():
-    path = ROOT / "tests" / "test_result_files.py"
+    path = ROOT / "tests" / "benchmarks" / "test_result_files.py"
     spec = importlib.util.spec_from_file_location("result_files", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -50,7 +50,7 @@ from frugaltrain.sim.plan import (
 from frugaltrain.train import checkpoint, plan_check, plan_cli
 from frugaltrain.train.launch import prepare, run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ("run.workers=4", "run.eval_every=0", "model.n_layer=2")
 # Links a tiny model notices: the last worker's slower, point-to-point below the all-reduce.
 LINKS = {"bandwidth_bps": [2e6, 2e6, 2e6, 0.7e6], "p2p_bandwidth_ratio": 0.8}

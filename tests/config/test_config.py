@@ -303,7 +303,7 @@ def test_every_example_config_loads():
     from frugaltrain.flow.config import load_flow_config
     from frugaltrain.sim.config import load_sim_config
 
-    examples = Path(__file__).resolve().parent.parent / "examples"
+    examples = Path(__file__).resolve().parents[2] / "examples"
     flow_configs = sorted(examples.glob("flow*.toml"))  # FlowTrain's own config
     assert [p.name for p in flow_configs] == ["flow.toml", "flow_vlm.toml"]
     for path in flow_configs:

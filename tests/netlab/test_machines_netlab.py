@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from ft_records import detected_by, members_per_round, membership
-from machines_run import Run, rounds_logged, wait_for
+from helpers.ft_records import detected_by, members_per_round, membership
+from helpers.machines_run import Run, rounds_logged, wait_for
 
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.netlab.lab import NetLab, why_not_available

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo_pool import free_port
 from torch.distributed.tensor import DTensor
 
 from frugaltrain.comm import LocalComm
 from frugaltrain.comm.torchdist import TorchDistComm
 from frugaltrain.train.loop import train_worker
 from frugaltrain.train.sharding import build_layout
+from helpers.gloo_pool import free_port
 
 
 def _whole(model: torch.nn.Module) -> list[torch.Tensor]:
