@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "frugaltrain"
 # Lower numbers sit lower. A module may import its own part and anything strictly lower; parts on
 # one level are independent of each other.
 LEVEL = {
-    "faults": 0,  # the grammar of fault_tolerance.inject, which the config checks
+    "inject": 0,  # the grammar of fault_tolerance.inject, which the config checks
     "processes": 0,  # worker processes forked from one import of torch (train/ and flow/)
     "config": 1,
     "data": 2,
@@ -41,7 +41,7 @@ LEVEL = {
     "__init__": 11,
 }
 # What cluster/ may import besides itself: it must run where torch is not installed.
-CLUSTER_MAY_IMPORT = {"config", "metrics", "faults"}
+CLUSTER_MAY_IMPORT = {"config", "metrics", "inject"}
 KERNELS = {"forge/triton_kernel.py:_fused_wgrad_kernel"}  # launch arguments one per line
 
 

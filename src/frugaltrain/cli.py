@@ -24,8 +24,8 @@ import importlib
 import sys
 
 from frugaltrain.config import ArgumentParser, ConfigError
-from frugaltrain.train.failures import WorkerFailed
 from frugaltrain.train.flags import TRAIN_HELP, add_train_flags, overrides
+from frugaltrain.train.worker_errors import WorkerFailed
 
 # Subcommands whose parser lives in the subsystem's own cli module.
 SUBSYSTEM_COMMANDS = {

@@ -11,7 +11,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from frugaltrain.cluster import keys, rendezvous_json
 from frugaltrain.cluster.run_store import forget
-from frugaltrain.comm.rendezvous_state import JsonBackend, from_json
+from frugaltrain.comm.rendezvous import JsonBackend, from_json
 from frugaltrain.config import Config, build_config
 
 NOW = datetime(2026, 1, 2, tzinfo=timezone.utc)

@@ -1,4 +1,4 @@
-"""The rendezvous state kept as JSON (comm/rendezvous_state.py): what the store holds is JSON
+"""The rendezvous state kept as JSON (comm/rendezvous.py): what the store holds is JSON
 and never a pickle, a full state round-trips exactly, compare-and-set behaves like torch's c10d
 backend, and a pickle an attacker writes into the store is refused without running it."""
 
@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from frugaltrain.cluster import keys, rendezvous_json
 from frugaltrain.cluster.store import StoreServer
-from frugaltrain.comm.rendezvous_state import JsonBackend, StateError, from_json, to_json
+from frugaltrain.comm.rendezvous import JsonBackend, StateError, from_json, to_json
 
 
 @pytest.fixture

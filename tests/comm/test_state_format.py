@@ -1,4 +1,4 @@
-"""statewire (comm/statewire.py): a worker's state round-trips bit for bit, and malformed or
+"""state_format (comm/state_format.py): a worker's state round-trips bit for bit, and malformed or
 hostile bytes are refused with a ValueError without running anything."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frugaltrain.comm import LocalComm, statewire
+from frugaltrain.comm import LocalComm, state_format
 from frugaltrain.comm.ft.admission import state_digest
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.train.loop import Place, run_round, setup
@@ -42,10 +42,10 @@ def same(a: object, b: object) -> bool:
 
 
 def _tensors() -> dict:
-    """One of every dtype statewire carries (random bits), and awkward shapes and values."""
+    """One of every dtype state_format carries (random bits), and awkward shapes and values."""
     g = torch.Generator().manual_seed(0)
     out = {}
-    for name, d in statewire.DTYPES.items():
+    for name, d in state_format.DTYPES.items():
         bits = torch.randint(0, 2 if d == torch.bool else 256, (12 * d.itemsize,), generator=g)
         out[name] = bits.to(torch.uint8).view(d).view(3, 4)
     out["bf16_special"] = torch.tensor(
@@ -77,24 +77,24 @@ def test_round_trip_of_every_supported_type_is_bitwise():
         "rng": (3, tuple(range(625)), None),
         "nested": [[[()]], {"": []}],
     }
-    back = statewire.decode(statewire.encode(tree))
+    back = state_format.decode(state_format.encode(tree))
     assert same(tree, back)
     assert back["model"]._metadata == {"": {"version": 1}}
     for t in back["tensors"].values():
         assert t.is_contiguous() and t.device.type == "cpu"
         t.reshape(-1).view(torch.uint8).fill_(1)  # writable, and its own memory
-    assert same(tree, statewire.decode(statewire.encode(tree)))
+    assert same(tree, state_format.decode(state_format.encode(tree)))
 
 
 def test_unknown_types_name_their_path():
     with pytest.raises(TypeError, match=r"state\['outer'\]\[1\] is a set"):
-        statewire.encode({"outer": [1, {2}]})
+        state_format.encode({"outer": [1, {2}]})
     with pytest.raises(TypeError, match="key"):
-        statewire.encode({(1, 2): 3})
+        state_format.encode({(1, 2): 3})
     with pytest.raises(TypeError, match="bits8"):
-        statewire.encode({"q": torch.zeros(2, dtype=torch.bits8)})
+        state_format.encode({"q": torch.zeros(2, dtype=torch.bits8)})
     with pytest.raises(TypeError, match="not a dense tensor"):
-        statewire.encode({"s": torch.eye(2).to_sparse()})
+        state_format.encode({"s": torch.eye(2).to_sparse()})
 
 
 class _Log:  # run_round's log, unused here
@@ -128,7 +128,7 @@ def test_a_real_worker_state_round_trips(make_config, sets):
     random.random()
     state = w.state()
     state["ft_seq"] = (5, 3, 2)
-    back = statewire.decode(statewire.encode(state))
+    back = state_format.decode(state_format.encode(state))
     assert same(state, back)
     assert state_digest(back) == state_digest(state)
     assert isinstance(back["inner"]["state"], dict) and all(
@@ -139,9 +139,9 @@ def test_a_real_worker_state_round_trips(make_config, sets):
     w.load(back)
 
 
-def _with_header(header: object, data: bytes = b"", version: int = statewire.VERSION) -> bytes:
+def _with_header(header: object, data: bytes = b"", version: int = state_format.VERSION) -> bytes:
     raw = json.dumps(header).encode()
-    return struct.pack(">4sHQ", statewire.MAGIC, version, len(raw)) + raw + data
+    return struct.pack(">4sHQ", state_format.MAGIC, version, len(raw)) + raw + data
 
 
 class _Evil:
@@ -153,7 +153,7 @@ class _Evil:
 
 
 def _malformed(tmp_path: Path) -> dict[str, bytes]:
-    good = statewire.encode({"x": torch.arange(4, dtype=torch.int32), "b": b"ab"})
+    good = state_format.encode({"x": torch.arange(4, dtype=torch.int32), "b": b"ab"})
     tensor = ["tensor", "float32", [2, 2], 16]
     return {
         "empty": b"",
@@ -162,11 +162,11 @@ def _malformed(tmp_path: Path) -> dict[str, bytes]:
         "trailing bytes": good + b"\x00",
         "wrong magic": b"PK\x03\x04" + good[4:],
         "wrong version": _with_header({"tree": ["none"], "data": 0}, version=99),
-        "header beyond buffer": struct.pack(">4sHQ", statewire.MAGIC, 1, 1 << 40) + b"{}",
-        "header not json": struct.pack(">4sHQ", statewire.MAGIC, 1, 3) + b"{x]",
+        "header beyond buffer": struct.pack(">4sHQ", state_format.MAGIC, 1, 1 << 40) + b"{}",
+        "header not json": struct.pack(">4sHQ", state_format.MAGIC, 1, 3) + b"{x]",
         "header not an object": _with_header([1, 2]),
         "nan constant": _with_header({"tree": ["none"], "data": float("nan")}),
-        "deep json": struct.pack(">4sHQ", statewire.MAGIC, 1, 200_000) + b"[" * 200_000,
+        "deep json": struct.pack(">4sHQ", state_format.MAGIC, 1, 200_000) + b"[" * 200_000,
         "deep tree": _with_header({"tree": json.loads('["list", [' * 100 + "]]" * 100), "data": 0}),
         "unknown node": _with_header({"tree": ["pickle", "x"], "data": 0}),
         "bad int": _with_header({"tree": ["int", "__import__('os')"], "data": 0}),
@@ -199,8 +199,8 @@ def _torch_save(obj: object) -> bytes:
 
 def test_malformed_input_is_refused_without_running_anything(tmp_path):
     for name, data in _malformed(tmp_path).items():
-        with pytest.raises(ValueError, match=r"^statewire: ") as err:
-            statewire.decode(data)
+        with pytest.raises(ValueError, match=r"^state_format: ") as err:
+            state_format.decode(data)
         assert "\n" not in str(err.value), name
     assert not (tmp_path / "pwned").exists()
     pickle.loads(pickle.dumps(_Evil(tmp_path / "control")))  # the payload would have run

@@ -1,8 +1,8 @@
 """What a fault-tolerant run's metrics.jsonl says about its membership (tests/comm/ft,
 tests/cluster): which mechanism reported each change, and how many members each round ran with.
 
-Membership records (`"kind": "membership"`, comm/ft/world.py) carry `round`: the last round the
-recording worker had finished when the change took effect. A change found in a round's own
+Membership records (`"kind": "membership"`, comm/ft/elastic_world.py) carry `round`: the last round
+the recording worker had finished when the change took effect. A change found in a round's own
 operations (a blocking all-reduce or gather) is recorded with the round before it; one taken at a
 round end (a late Mix1 message, a joiner's admission), with that round. Either way, worker 0's
 record of round r (`ft/members`, taken before its round end) counts exactly the changes of the

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from frugaltrain.comm.faults import FaultyWire
+from frugaltrain.comm.faulty import FaultyWire
 from frugaltrain.config import ConfigError
-from frugaltrain.faults import Injector, parse
+from frugaltrain.inject import Injector, parse
 from frugaltrain.sim import SimComm, SimSection, SimWorld, simulate
 from frugaltrain.sim.network import Network
 

@@ -291,8 +291,8 @@ class Coordinator:
 
     def _count_as_started(self, slots: int) -> None:
         """The first starts of each shard group meet before their first round
-        (comm/ft/world.py): count the processes of `slots` freed slots in, as each would count
-        itself, so those back do not wait for them."""
+        (comm/ft/elastic_world.py): count the processes of `slots` freed slots in, as each would
+        count itself, so those back do not wait for them."""
         S = self.cfg.run.shards
         for shard in range(S):
             world = PrefixView(keys.namespace(shard, S), self.store) if S > 1 else self.store

@@ -1,6 +1,6 @@
 """The rendezvous state as the store keeps it (JSON), read and changed without torch.
 
-comm/rendezvous_state.py turns torch elastic's rendezvous state into this JSON and back for the
+comm/rendezvous.py turns torch elastic's rendezvous state into this JSON and back for the
 workers' handlers. What the processes that watch a run do to it needs no handler, and so no
 torch: `expire` marks nodes known to be gone (a process that exited, a lost machine's slots) so
 the handlers drop them at their next sync, and `close` ends the rendezvous when training is over

@@ -177,7 +177,7 @@ def finish_mix(
 
 class Wire:
     """What passes between this worker and the others, as its Comm sees it: here, exactly what
-    is sent and received. Fault injection (comm/faults.py) swaps in one that corrupts what this
+    is sent and received. Fault injection (comm/faulty.py) swaps in one that corrupts what this
     worker sends and loses messages it receives."""
 
     def outgoing(self, tensors: list[torch.Tensor]) -> None:
@@ -203,7 +203,7 @@ class Comm:
     (M-1) S instead of 2 (M-1)/M S bytes per worker, and is counted as such.
     guard: keep bad contributions out of every average and mix (comm/guard.py); None: no check.
     shard_link: with run.shards > 1, the other shards of this worker's replica
-        (comm/shardlink.py): the guard then judges the replica's whole contribution.
+        (comm/replica_shards.py): the guard then judges the replica's whole contribution.
     """
 
     rank: int = 0

@@ -146,7 +146,7 @@ class Runtime:
         workers' files are there, so a machine without a shared file system can resume)."""
         return local_rank == 0
 
-    # ---- what a fault needs to act like a real one (comm/faults.py). A plain runtime has no
+    # ---- what a fault needs to act like a real one (comm/faulty.py). A plain runtime has no
     # heartbeat and never recovers: a silent worker is only late, as in a stall.
     def silence(self, on: bool) -> None:
         """While `on`, this worker is cut off as behind a partition."""

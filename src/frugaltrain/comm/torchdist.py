@@ -21,7 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from frugaltrain.comm.base import Comm, Exchange, Handle
 from frugaltrain.comm.guard import Guard
-from frugaltrain.comm.shardlink import ShardLink
+from frugaltrain.comm.replica_shards import ReplicaShards
 
 _PARTS = 4  # tag space per operation: one tag per encoded part
 
@@ -33,7 +33,7 @@ class TorchDistComm(Comm):
         *,
         deterministic: bool = False,
         guard: Guard | None = None,
-        shard_link: ShardLink | None = None,
+        shard_link: ReplicaShards | None = None,
     ):
         super().__init__(deterministic=deterministic, guard=guard, shard_link=shard_link)
         self.group = group

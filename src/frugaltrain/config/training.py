@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import frugaltrain.faults as faults
+from frugaltrain import inject
 from frugaltrain.config.base import ConfigError, Section, require
 
 # The shared [outer] keys each strategy reads (besides outer.strategy); each also reads all of
@@ -274,7 +274,7 @@ class FaultToleranceSection(Section):
     worker ends the run and a silent one holds the others up): 'kill:worker=2,round=5',
     'hang:worker=1,round=3', 'partition:worker=1,round=3,seconds=5',
     'stall:worker=1,round=3,seconds=60', 'slow:worker=1,factor=3',
-    'drop:p=0.1', 'corrupt:worker=1,round=3,value=1e30' (see frugaltrain.faults)."""
+    'drop:p=0.1', 'corrupt:worker=1,round=3,value=1e30' (see frugaltrain.inject)."""
 
     def check(self) -> None:
         self.positive("mix1_deadline_s")
@@ -284,7 +284,7 @@ class FaultToleranceSection(Section):
         self.positive("resume_wait_s")
         self.at_least("max_restarts", 0)
         try:
-            faults.parse(self.inject)
+            inject.parse(self.inject)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -999,7 +999,7 @@ def _check_faults(ft: FaultToleranceSection, r: RunSection, o: OuterSection) -> 
         "fault_tolerance.enabled = false",
     )
     rounds = -(-r.steps // o.H)
-    for fault in faults.parse(ft.inject):
+    for fault in inject.parse(ft.inject):
         require(
             fault.worker < r.workers,
             "fault_tolerance.inject",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field, fields
 
-import frugaltrain.faults as faults
+from frugaltrain import inject
 from frugaltrain.config import Config, Section, build_config, load, require
 
 DEFAULT_LINK_J_PER_BYTE = 5e-9
@@ -189,9 +189,9 @@ class SimSection(Section):
                 f"are sim.bandwidth_bps (or sim.ratio); for these set sim.bandwidth_bps = {rates}",
                 stacklevel=2,
             )
-        acts = [f.kind for f in faults.parse(cfg.fault_tolerance.inject)]
+        acts = [f.kind for f in inject.parse(cfg.fault_tolerance.inject)]
         require(
-            set(acts) <= set(faults.WIRE_FAULTS),
+            set(acts) <= set(inject.WIRE_FAULTS),
             "fault_tolerance.inject",
             cfg.fault_tolerance.inject,
             "the simulator injects what travels between workers (corrupt, drop); for a crash "

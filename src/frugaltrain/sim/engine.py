@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from frugaltrain.comm.faults import FaultyWire
+from frugaltrain.comm.faulty import FaultyWire
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.config import Config, to_dict, to_toml
 from frugaltrain.config.base import section_toml
 from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens, worker_seed
 from frugaltrain.energy.meter import open_meter
-from frugaltrain.faults import Injector, parse
+from frugaltrain.inject import Injector, parse
 from frugaltrain.metrics.consensus import GROUPS, averaged_model, spread, squared_distance
 from frugaltrain.metrics.log import MetricsLog
 from frugaltrain.metrics.peers import blocking_ops, count_events, sim_fields

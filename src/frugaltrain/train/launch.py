@@ -39,9 +39,9 @@ from frugaltrain.models import build_model, memory_estimate, model_bytes, model_
 from frugaltrain.models.parts import select
 from frugaltrain.outer.streaming import StreamingDiLoCo
 from frugaltrain.train import checkpoint
-from frugaltrain.train.failures import failure_of, report_failure
 from frugaltrain.train.loop import train_worker
 from frugaltrain.train.supervisor import backend, plain_comm, run_local, worker_threads
+from frugaltrain.train.worker_errors import failure_of, report_failure
 
 
 def check_data(cfg: Config) -> None:

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from frugaltrain.comm.shardlink import ShardLink
+from frugaltrain.comm.replica_shards import ReplicaShards
 from frugaltrain.models.parts import is_block_module
 
 
@@ -44,20 +44,20 @@ class Shards:
 
     index: s, its shard index. count: S. group: the replica's S processes. mesh: the 1-D
     ("shard",) mesh over them that FSDP2 shards on. link: the same group for the outer Comm
-    (comm/shardlink.py)."""
+    (comm/replica_shards.py)."""
 
     index: int
     count: int
     group: dist.ProcessGroup
     mesh: DeviceMesh
-    link: ShardLink
+    link: ReplicaShards
 
 
 def shards_of(group: dist.ProcessGroup, device_type: str) -> Shards:
     """The Shards of a process in replica group `group` (its rank there is its shard index)."""
     mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
     count = dist.get_world_size(group)
-    return Shards(dist.get_rank(group), count, group, mesh, ShardLink(group, count))
+    return Shards(dist.get_rank(group), count, group, mesh, ReplicaShards(group, count))
 
 
 def build_layout(

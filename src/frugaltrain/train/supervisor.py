@@ -10,7 +10,7 @@ runtime and runs the worker loop:
                        the run: the others are stopped and the launcher says which.
     fault tolerance    ElasticRuntime (comm/ft/), one fault-tolerant world per shard index, with
                        the injected faults of fault_tolerance.inject as a layer around it
-                       (comm/faults.py). A replica that loses a process (SIGKILL, a crash,
+                       (comm/faulty.py). A replica that loses a process (SIGKILL, a crash,
                        or exit code 75 after the others declared it dead) is stopped whole
                        and started again with the same arguments; it rejoins from a live
                        peer replica, shard by shard; the other replicas never restart. A
@@ -36,15 +36,15 @@ import torch.distributed as dist
 from frugaltrain import processes
 from frugaltrain.cluster import keys
 from frugaltrain.cluster.run_store import close_rendezvous, forget, group0_store
-from frugaltrain.comm.faults import FaultyRuntime
+from frugaltrain.comm.faulty import FaultyRuntime
 from frugaltrain.comm.guard import guard_of
 from frugaltrain.comm.pacing import pacer_of
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.step import worker_threads
-from frugaltrain.train.failures import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 from frugaltrain.train.loop import train_worker, worker_device
 from frugaltrain.train.sharding import build_layout, shards_of
+from frugaltrain.train.worker_errors import BAD_INPUT_EXIT, WorkerFailed, failure_of, report_failure
 
 # What the fork server imports once for the workers (processes.py): torch, and everything a worker
 # imports to train (torch._dynamo with its first optimizer).
@@ -276,8 +276,8 @@ def _elastic_worker(
     default group (FSDP2), fresh at every start of the replica, and its ElasticComm is shard
     group s's. `local`: the workers on this machine when the run spans machines (train/agent.py)."""
     from frugaltrain.comm.ft.comm import ElasticComm
+    from frugaltrain.comm.ft.elastic_world import STOPPED_EXIT, Identity
     from frugaltrain.comm.ft.runtime import ElasticRuntime
-    from frugaltrain.comm.ft.world import STOPPED_EXIT, Identity
 
     S = cfg.run.shards
     replica, shard = divmod(rank, S)
@@ -321,7 +321,7 @@ def _injector(cfg: Config, replica: int, shard: int, incarnation: int):
     """The faults of worker `replica` that act in this process. A fault that stops a process
     (kill, hang, partition, stall) acts on the replica's shard 0 only: its siblings go down
     with it, as they would after any process of theirs died; the rest act on every shard."""
-    from frugaltrain.faults import Injector, parse
+    from frugaltrain.inject import Injector, parse
 
     process_faults = ("kill", "hang", "partition", "stall")
     faults = [

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from frugaltrain.comm.ft.admission import Admission
-from frugaltrain.comm.ft.world import World
+from frugaltrain.comm.ft.elastic_world import ElasticWorld
 
 
 class LostStore:
@@ -27,12 +27,12 @@ class LostStore:
 
 
 def _member(store: LostStore) -> SimpleNamespace:
-    """The parts of a World that a round end's admission reads, with World's own guard."""
+    """The parts of an ElasticWorld that a round end's admission reads, with its own guard."""
     w = SimpleNamespace(rank=1, round=3, epoch=0, store=store, store_lost=False)
     w.me = SimpleNamespace(held_store=True)  # across machines: a lost store is survivable
-    w.has = lambda key: World.has(w, key)
-    w.guarded = lambda call, default: World.guarded(w, call, default)
-    w.lose_store = lambda why: World.lose_store(w, why)
+    w.has = lambda key: ElasticWorld.has(w, key)
+    w.guarded = lambda call, default: ElasticWorld.guarded(w, call, default)
+    w.lose_store = lambda why: ElasticWorld.lose_store(w, why)
     w.rendezvous = lambda *a: pytest.fail("admitted with the store lost")
     return w
 

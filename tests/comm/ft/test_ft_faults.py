@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers.ft_records import members_per_round, membership
 
-from frugaltrain.faults import Injector, parse
+from frugaltrain.inject import Injector, parse
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import launch
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from frugaltrain.faults import CORRUPTIONS
+from frugaltrain.inject import CORRUPTIONS
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.train import checkpoint, launch
 

@@ -1,8 +1,9 @@
-"""Worker 0 waits for every member's round scalars before it logs the round (comm/ft/means.py).
-A member that died before posting them is not waited for until run.timeout_s: once its
-heartbeat has stopped for the heartbeat timeout the wait ends, and the round is averaged over
-those that posted. A live straggler, whose heartbeat moves, is waited for. The clock is a fake
-one that moves only when the wait sleeps, so the test asserts when the wait ended on it."""
+"""Worker 0 waits for every member's round scalars before it logs the round
+(comm/ft/round_scalars.py). A member that died before posting them is not waited for until
+run.timeout_s: once its heartbeat has stopped for the heartbeat timeout the wait ends, and the round
+is averaged over those that posted. A live straggler, whose heartbeat moves, is waited for. The
+clock is a fake one that moves only when the wait sleeps, so the test asserts when the wait ended on
+it."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 
 from frugaltrain.cluster import keys
-from frugaltrain.comm.ft import means
-from frugaltrain.comm.ft.means import StoreMeans
+from frugaltrain.comm.ft import round_scalars
+from frugaltrain.comm.ft.round_scalars import StoreMeans
 
 HB_TIMEOUT_S = 3.0
 TIMEOUT_S = 300.0
 
 
 class Clock:
-    """time.monotonic and time.sleep of means.py: time passes only in sleep."""
+    """time.monotonic and time.sleep of round_scalars.py: time passes only in sleep."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -75,7 +76,7 @@ def _worker0(store: Store) -> StoreMeans:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(means, "time", fake)
+    monkeypatch.setattr(round_scalars, "time", fake)
     return fake
 
 
@@ -87,7 +88,7 @@ def test_a_member_dead_before_posting_is_given_up_after_the_heartbeat_timeout(cl
     assert got == [2.0, 4.0]  # worker 0's own: worker 1 never posted
     # Its heartbeat was last seen to move at the last poll before 1 s: the wait ended a
     # heartbeat timeout after that poll, at the poll that followed (not at run.timeout_s).
-    poll = means.POLL_S
+    poll = round_scalars.POLL_S
     assert 1.0 - poll + HB_TIMEOUT_S < clock.now < 1.0 + HB_TIMEOUT_S + 2 * poll
 
 

@@ -5,7 +5,7 @@ round end sees it there and decides for all (compare-and-set on that round and e
 members re-rendezvous; all finish their pending operations, the joiner is admitted, and the
 lowest old member (the donor) sends it its whole worker state (outer x and momentum, round,
 step, inner AdamW and schedule, and the runtime's sequence counters) point to point. The state
-moves in statewire's format (comm/statewire.py), which describes data only: reading it cannot run
+moves in the format of comm/state_format.py, which describes data only: reading it cannot run
 code, unlike a pickle, so a peer or the link cannot make the joiner run anything. The joiner
 checks what it loaded against the donor's digest and records a "rejoined" event.
 
@@ -25,12 +25,12 @@ from datetime import timedelta
 import torch
 
 from frugaltrain.cluster import keys
-from frugaltrain.comm import statewire
-from frugaltrain.comm.ft.means import StoreMeans
+from frugaltrain.comm import state_format
 from frugaltrain.comm.ft.mix1 import Mix1
-from frugaltrain.comm.ft.oplog import OpLog
+from frugaltrain.comm.ft.operation_log import OpLog
+from frugaltrain.comm.ft.round_scalars import StoreMeans
 from frugaltrain.comm.rendezvous import Round
-from frugaltrain.comm.shardlink import ShardLink
+from frugaltrain.comm.replica_shards import ReplicaShards
 
 SIZE_TAG, STATE_TAG = 1, 2  # point-to-point tags of the state transfer
 MAX_STATE_BYTES = 1 << 40  # a bound on the size a donor announces (1 TiB), before allocating it
@@ -54,7 +54,7 @@ class Admission:
         oplog: OpLog,
         mix1: Mix1,
         means: StoreMeans,
-        shard_link: ShardLink | None,
+        shard_link: ReplicaShards | None,
         logs: bool,
     ) -> None:
         """`logs`: this worker writes a metrics log (Runtime.writes_metrics), so it collects
@@ -131,7 +131,7 @@ class Admission:
         """The donor's side: its state and counters to every joiner, then its digest."""
         state = state_fn()
         state["ft_seq"] = (self.oplog.seq, self.mix1.seq, self.means.seq)
-        payload = torch.frombuffer(bytearray(statewire.encode(state)), dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(state_format.encode(state)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for j in rnd.joiners:
             pos = rnd.members.index(j)
@@ -185,7 +185,7 @@ class Admission:
                 self.world.root.set(keys.ready(self.world.rank), str(self.world.incarnation))
 
     def _receive_state(self, rnd: Round) -> dict:
-        """The donor's state, read as statewire data (ValueError if it is not a worker state)."""
+        """The donor's state, read as state_format data (ValueError if it is not a worker state)."""
         pos = rnd.members.index(rnd.donor)
         size = torch.zeros(1, dtype=torch.int64)
         self.world.pg.recv([size], pos, SIZE_TAG).wait()
@@ -193,7 +193,7 @@ class Admission:
             raise ValueError(f"donor {rnd.donor} announced a state of {int(size.item())} bytes")
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.world.pg.recv([payload], pos, STATE_TAG).wait()
-        state = statewire.decode(payload.numpy())
+        state = state_format.decode(payload.numpy())
         seq = state.get("ft_seq") if isinstance(state, dict) else None
         if not (isinstance(seq, tuple) and len(seq) == 3 and all(type(s) is int for s in seq)):
             raise ValueError(f"donor {rnd.donor} sent no worker state with its counters")

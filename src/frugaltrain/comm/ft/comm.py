@@ -1,7 +1,7 @@
 """`ElasticComm`: the Comm a strategy sees on the fault-tolerant runtime.
 
-Its collectives go through the op log (oplog.py): an all-reduce is a sequenced sum, a blocking
-mix a sequenced gather whose rows are renormalized over the members that delivered, so both
+Its collectives go through the op log (operation_log.py): an all-reduce is a sequenced sum, a
+blocking mix a sequenced gather whose rows are renormalized over the members that delivered, so both
 survive a member's failure. A non-blocking mix (Mix1) goes point to point with a deadline
 (mix1.py), and the guard judges the messages that arrived by their norms and this worker's own.
 Everything the training loop calls is on the runtime (runtime.py).
@@ -16,11 +16,11 @@ import torch.distributed as dist
 from frugaltrain.comm import compress
 from frugaltrain.comm.base import Comm, Handle, finish_mix, flatten, unflatten_into
 from frugaltrain.comm.feedback import ErrorFeedback
+from frugaltrain.comm.ft.elastic_world import ElasticWorld, Identity, Options
 from frugaltrain.comm.ft.mix1 import Mix1
-from frugaltrain.comm.ft.oplog import OpLog
-from frugaltrain.comm.ft.world import Identity, Options, World
+from frugaltrain.comm.ft.operation_log import OpLog
 from frugaltrain.comm.guard import Guard, norm_of, verdict
-from frugaltrain.comm.shardlink import ShardLink
+from frugaltrain.comm.replica_shards import ReplicaShards
 
 
 class ElasticComm(Comm):
@@ -48,9 +48,9 @@ class ElasticComm(Comm):
         *,
         timeout_s: float,
         guard: Guard | None = None,
-        shard_link: ShardLink | None = None,
+        shard_link: ReplicaShards | None = None,
     ) -> None:
-        self.world = World(store, me, options, timeout_s)  # first: `members` lives there
+        self.world = ElasticWorld(store, me, options, timeout_s)  # first: `members` lives there
         super().__init__(deterministic=False, guard=guard, shard_link=shard_link)
         self.rank, self.world_size = me.rank, me.world_size
         self.world.earlier = self.drain_rejections
@@ -80,7 +80,7 @@ class ElasticComm(Comm):
         self, tensors: list[torch.Tensor], w: np.ndarray, codec: str, feedback: ErrorFeedback | None
     ) -> Handle:
         members, me = list(self.members), self.position
-        # Gossip travels as a gather here (oplog.py): count what really moves.
+        # Gossip travels as a gather here (operation_log.py): count what really moves.
         others = len(members) - 1
         own, parts = self._encode_counted(tensors, codec, feedback, others, others)
         op = self.oplog.post("gather", parts)

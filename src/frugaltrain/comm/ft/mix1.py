@@ -23,9 +23,9 @@ import torch
 from frugaltrain.comm import compress, topology
 from frugaltrain.comm.base import CommStats, Handle, Wire, encode_own, finish_mix
 from frugaltrain.comm.ft import heartbeat
-from frugaltrain.comm.ft.oplog import OpLog
-from frugaltrain.comm.ft.world import short_error
-from frugaltrain.comm.shardlink import ShardLink
+from frugaltrain.comm.ft.elastic_world import short_error
+from frugaltrain.comm.ft.operation_log import OpLog
+from frugaltrain.comm.replica_shards import ReplicaShards
 
 PARTS = 4  # tag space per Mix1 message: one tag per encoded part
 FOREVER = timedelta(days=365)  # gloo closes a pair whose wait times out: never let it
@@ -69,7 +69,7 @@ class Mix1:
     """This worker's Mix1 messages: `seq` counts them (their tag), `late` those dropped at the
     deadline (`take_late`)."""
 
-    def __init__(self, oplog: OpLog, stats: CommStats, shard_link: ShardLink | None) -> None:
+    def __init__(self, oplog: OpLog, stats: CommStats, shard_link: ReplicaShards | None) -> None:
         self.world, self.oplog, self.stats = oplog.world, oplog, stats
         self.shard_link = shard_link
         self.seq = 0

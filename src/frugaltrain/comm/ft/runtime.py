@@ -1,13 +1,13 @@
 """`ElasticRuntime`: the training loop's side of the fault-tolerant runtime (comm/runtime.py's
-`Runtime` hooks): logging scalars through the store (means.py), the round end (bookkeeping,
+`Runtime` hooks): logging scalars through the store (round_scalars.py), the round end (bookkeeping,
 recovery from a failure reported during the round, admission of restarted workers), a
 restarted worker's rejoin (admission.py), the round record's fields and the membership records.
 
-It also lends the fault-injection layer (comm/faults.py) what it needs to act like a real
+It also lends the fault-injection layer (comm/faulty.py) what it needs to act like a real
 fault: going silent as behind a partition, stopping the heartbeat, and a hook at the start of a
 recovery.
 
-Across machines the store can be lost for good (world.py, `guarded`: the coordinator stayed
+Across machines the store can be lost for good (elastic_world.py, `guarded`: the coordinator stayed
 away past fault_tolerance.coordinator_wait_s), so there every round end starts with one small
 gloo all-reduce: whether every member has lost the store. The members learn it at
 different moments (one that has goes on without it meanwhile), but they all take part in the
@@ -28,7 +28,7 @@ import torch
 from frugaltrain.cluster import keys
 from frugaltrain.comm.ft.admission import Admission
 from frugaltrain.comm.ft.comm import ElasticComm
-from frugaltrain.comm.ft.means import StoreMeans
+from frugaltrain.comm.ft.round_scalars import StoreMeans
 from frugaltrain.comm.runtime import Means, RoundEnd, Runtime, StateFn
 
 
@@ -88,7 +88,7 @@ class ElasticRuntime(Runtime):
             store.set(keys.DONE, "1")
         self.world.heartbeat.stop()
 
-    # ---- what the fault-injection layer calls (comm/faults.py)
+    # ---- what the fault-injection layer calls (comm/faulty.py)
     def silence(self, on: bool) -> None:
         """While `on`, this worker is cut off as behind a partition: no heartbeat and no
         rendezvous keep-alive, while its sockets stay open."""

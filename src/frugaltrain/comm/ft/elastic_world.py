@@ -1,11 +1,11 @@
-"""`World`: one worker's place in a fault-tolerant world, shared by the parts of its runtime.
+"""`ElasticWorld`: one worker's place in a fault-tolerant world, shared by the parts of its runtime.
 
 It holds the worker's epoch, the epoch's members and their gloo group, the last finished round
 and the membership records for worker 0's log, and it moves from one epoch to the next through
 the rendezvous (comm/rendezvous.py): `rendezvous` takes part in rounds until this worker is in
 one whose group forms; a worker the others went on without exits with EVICTED_EXIT and is
 restarted by the launcher. Marking an epoch broken (`report`) is how any part says the members
-must re-form; the op log (oplog.py) does the re-forming.
+must re-form; the op log (operation_log.py) does the re-forming.
 
 Across machines the store is reached through the machine's tunnel (train/agent.py), which holds
 requests while the coordinator is away and, past fault_tolerance.coordinator_wait_s, closes
@@ -76,7 +76,7 @@ def short_error(e: Exception) -> str:
     return text.split(". ", 1)[0][:120]
 
 
-class World:
+class ElasticWorld:
     """See the module docstring. `root` is the run's store (replica-wide decisions), `store` the
     world's (under its namespace)."""
 

@@ -11,11 +11,11 @@ posts, numbered in the order posted, and how a failure is survived.
             [fault_tolerance.deadline_floor_s, run.timeout_s]: a peer alive but stuck; the
             members that have not posted the operation are cut out of the rendezvous), or when
             another worker has marked the epoch broken in the store. Once the store is lost
-            for good (world.py, `guarded`), only gloo's own deadline is left. Time in which this
-            worker's own store reads were held up (the coordinator away: its machine's store
+            for good (elastic_world.py, `guarded`), only gloo's own deadline is left. Time in which
+            this worker's own store reads were held up (the coordinator away: its machine's store
             tunnel holds requests until it is back, cluster/gateway.py) counts against neither
             the deadline nor anyone's heartbeat: nobody's beats reached the store then.
-    recover mark the epoch broken (the first reason wins) and re-rendezvous (world.py); the
+    recover mark the epoch broken (the first reason wins) and re-rendezvous (elastic_world.py); the
             survivors build the new group and re-post (`settle`), in order, every operation from
             the lowest one any of them still has pending, now over the live set: an all-reduce
             mean divides by the live count and a mix renormalizes each row over the members that
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from frugaltrain.cluster import keys
 from frugaltrain.comm.base import CommStats
 from frugaltrain.comm.ft import heartbeat
-from frugaltrain.comm.ft.world import EVICTED_EXIT, StoreLost, World, short_error
+from frugaltrain.comm.ft.elastic_world import EVICTED_EXIT, ElasticWorld, StoreLost, short_error
 
 LOG_KEEP = 8  # completed operations whose inputs are kept for a re-post after a failure
 POLL_S = 0.05  # how often a wait looks at the store (broken epoch, heartbeats)
@@ -64,7 +64,7 @@ class OpLog:
     `on_recover`: called as a recovery starts (the epoch is marked broken, the rendezvous not
     yet joined)."""
 
-    def __init__(self, world: World, stats: CommStats) -> None:
+    def __init__(self, world: ElasticWorld, stats: CommStats) -> None:
         self.world, self.stats = world, stats
         self.seq = 0
         self.log: list[Op] = []

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from frugaltrain.cluster import keys
 from frugaltrain.cluster.coordinator import Coordinator
 from frugaltrain.cluster.store import PrefixView, StoreServer
-from frugaltrain.comm.ft.world import Identity, World
+from frugaltrain.comm.ft.elastic_world import ElasticWorld, Identity
 
 W, S = 2, 2
 TIMEOUT = timedelta(seconds=30)
@@ -25,13 +25,13 @@ def test_first_starts_meet_per_shard_group(monkeypatch):
     root = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     passed: list[tuple[int, int]] = []  # (shard, replica) past the meeting, in order
     monkeypatch.setattr(
-        World, "rendezvous", lambda self, purpose: passed.append((self.shard, self.rank))
+        ElasticWorld, "rendezvous", lambda self, purpose: passed.append((self.shard, self.rank))
     )
 
     def start(replica: int, shard: int) -> threading.Thread:
         me = Identity("127.0.0.1", root.port, replica, W, 1, keys.namespace(shard, S))
         client = dist.TCPStore("127.0.0.1", root.port, is_master=False, timeout=TIMEOUT)
-        world = World(client, me, OPTIONS, timeout_s=30.0)  # a client each, as each process
+        world = ElasticWorld(client, me, OPTIONS, timeout_s=30.0)  # a client each, as each process
         world.shard = shard
         t = threading.Thread(target=world.start, daemon=True)
         t.start()

@@ -2,8 +2,8 @@
 sets its round's scalars, and worker 0 writes a round's record once every member's are in (at
 the latest at a checkpoint or the end), averaged over the members that posted.
 
-Once the store is lost for good (world.py, `guarded`), the last round end gathers every member's
-recent scalars over gloo instead (`gather_recent`), and the rounds still waiting for their
+Once the store is lost for good (elastic_world.py, `guarded`), the last round end gathers every
+member's recent scalars over gloo instead (`gather_recent`), and the rounds still waiting for their
 means are averaged from those, exactly as from the store.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from frugaltrain.cluster import keys
 from frugaltrain.comm.ft import heartbeat
-from frugaltrain.comm.ft.oplog import OpLog
+from frugaltrain.comm.ft.operation_log import OpLog
 from frugaltrain.comm.runtime import Means, MeansUnavailable
 
 KEEP = 16  # rounds of its own scalars each worker keeps for `gather_recent`

@@ -1,4 +1,4 @@
-"""statewire: a worker's state as bytes that cannot run code when read.
+"""state_format: a worker's state as bytes that cannot run code when read.
 
 A restarted worker takes a live peer's whole state over the network (comm/ft/admission.py). A
 pickle (torch.save, torch.load with weights_only=False) runs whatever its bytes say when it is
@@ -59,7 +59,7 @@ _HEX_FLOAT = re.compile(r"[0-9a-f]{16}")
 
 # ---- encoding
 def encode(obj: object) -> bytes:
-    """`obj` (a worker state: see the module docstring for the types) as statewire bytes.
+    """`obj` (a worker state: see the module docstring for the types) as state_format bytes.
     Raises TypeError naming the path of anything else."""
     blobs: list[bytes] = []
     tree = _node(obj, "state", 0, blobs)
@@ -70,7 +70,7 @@ def encode(obj: object) -> bytes:
 
 def _node(x: object, path: str, depth: int, blobs: list[bytes]) -> list:
     if depth > MAX_DEPTH:
-        raise TypeError(f"statewire: {path} is nested deeper than {MAX_DEPTH} (a cycle?)")
+        raise TypeError(f"state_format: {path} is nested deeper than {MAX_DEPTH} (a cycle?)")
     kind = type(x)
     if x is None:
         return ["none"]
@@ -92,16 +92,16 @@ def _node(x: object, path: str, depth: int, blobs: list[bytes]) -> list:
         return [kind.__name__, items]
     if kind is dict or kind is OrderedDict:
         return _dict_node(x, path, depth, blobs)
-    raise TypeError(f"statewire: {path} is a {kind.__qualname__}, which it does not carry")
+    raise TypeError(f"state_format: {path} is a {kind.__qualname__}, which it does not carry")
 
 
 def _tensor_node(t: torch.Tensor, path: str, blobs: list[bytes]) -> list:
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
         raise TypeError(
-            f"statewire: {path} is a {type(t).__qualname__} ({t.layout}), not a dense tensor"
+            f"state_format: {path} is a {type(t).__qualname__} ({t.layout}), not a dense tensor"
         )
     if t.dtype not in _DTYPE_NAME:
-        raise TypeError(f"statewire: {path} has dtype {t.dtype}, which it does not carry")
+        raise TypeError(f"state_format: {path} has dtype {t.dtype}, which it does not carry")
     flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes()
     blobs.append(raw)
@@ -113,7 +113,7 @@ def _dict_node(d: dict, path: str, depth: int, blobs: list[bytes]) -> list:
     for k, v in d.items():
         if type(k) not in (str, int):
             raise TypeError(
-                f"statewire: {path} has a {type(k).__qualname__} key; keys are str or int"
+                f"state_format: {path} has a {type(k).__qualname__} key; keys are str or int"
             )
         pairs.append(
             [_node(k, path, depth + 1, blobs), _node(v, f"{path}[{k!r}]", depth + 1, blobs)]
@@ -127,32 +127,32 @@ def _dict_node(d: dict, path: str, depth: int, blobs: list[bytes]) -> list:
 # ---- decoding
 def decode(data: bytes) -> object:
     """The object `encode` made `data` from. Raises ValueError (one line) on anything that is
-    not well-formed statewire; reads data only, never runs any."""
+    not well-formed state_format; reads data only, never runs any."""
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size:
         raise ValueError(
-            f"statewire: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix"
+            f"state_format: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix"
         )
     magic, version, n_header = _PREFIX.unpack_from(view)
     if magic != MAGIC:
-        raise ValueError(f"statewire: bad magic {bytes(magic)!r} (not statewire data)")
+        raise ValueError(f"state_format: bad magic {bytes(magic)!r} (not state_format data)")
     if version != VERSION:
-        raise ValueError(f"statewire: version {version}, this reader knows {VERSION}")
+        raise ValueError(f"state_format: version {version}, this reader knows {VERSION}")
     start = _PREFIX.size + n_header
     if start > len(view):
         raise ValueError(
-            f"statewire: header of {n_header} bytes runs past the {len(view)}-byte buffer"
+            f"state_format: header of {n_header} bytes runs past the {len(view)}-byte buffer"
         )
     header = _parse_header(view[_PREFIX.size : start])
     size = header.get("data")
     if type(size) is not int or size != len(view) - start:
         raise ValueError(
-            f"statewire: data section of {len(view) - start} bytes, header says {size!r}"
+            f"state_format: data section of {len(view) - start} bytes, header says {size!r}"
         )
     reader = _Reader(view[start:])
     obj = reader.node(header.get("tree"), "state", 0)
     if reader.pos != size:
-        raise ValueError(f"statewire: {size - reader.pos} bytes of the data section left unread")
+        raise ValueError(f"state_format: {size - reader.pos} bytes of the data section left unread")
     return obj
 
 
@@ -161,9 +161,9 @@ def _parse_header(raw: memoryview) -> dict:
         header = json.loads(bytes(raw).decode("utf-8"), parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, nesting, huge ints
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"statewire: header is not JSON ({reason})") from None
+        raise ValueError(f"state_format: header is not JSON ({reason})") from None
     if not isinstance(header, dict):
-        raise ValueError("statewire: header is not a JSON object")
+        raise ValueError("state_format: header is not a JSON object")
     return header
 
 
@@ -173,7 +173,7 @@ def _no_constant(name: str) -> None:
 
 def _bad(path: str, what: str) -> ValueError:
     where = path if len(path) <= 120 else f"{path[:60]}...{path[-57:]}"
-    return ValueError(f"statewire: {where}: {what}")
+    return ValueError(f"state_format: {where}: {what}")
 
 
 class _Reader:

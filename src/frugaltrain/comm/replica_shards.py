@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 
-class ShardLink:
+class ReplicaShards:
     """Collectives over the S processes of one replica (small host tensors; on an NCCL group
     they take a round trip through this process's GPU).
 

@@ -11,7 +11,7 @@ import torch
 
 from frugaltrain.cluster import keys
 from frugaltrain.comm.base import CommStats
-from frugaltrain.comm.ft.oplog import Op, OpLog
+from frugaltrain.comm.ft.operation_log import Op, OpLog
 
 HB_TIMEOUT_S = 0.2
 
@@ -63,7 +63,7 @@ def wait_on(store: HeldStore, completes_after: int) -> str | None:
         timeout_s=60.0,
         options=SimpleNamespace(deadline_floor_s=60.0, deadline_factor=4.0),
         has=lambda key: False,  # nobody marks the epoch broken
-        store_lost=False,  # a held store, not a lost one (World.guarded)
+        store_lost=False,  # a held store, not a lost one (ElasticWorld.guarded)
         guarded=lambda call, default: call(),
     )
     log = OpLog(world, CommStats())

@@ -1,5 +1,5 @@
 """Fault injection as a layer around any runtime: the plain one, the fault-tolerant one and the
-simulator's comms inject the same faults the same way (frugaltrain/faults.py parses
+simulator's comms inject the same faults the same way (frugaltrain/inject.py parses
 `fault_tolerance.inject` and decides when each fault is due; this makes it happen).
 
     FaultyWire      the comm's wire (comm/base.py `Wire`): what this worker sends in a corrupt
@@ -26,7 +26,7 @@ import torch
 from frugaltrain.comm.base import Wire
 from frugaltrain.comm.ft import heartbeat
 from frugaltrain.comm.runtime import Means, RoundEnd, Runtime, StateFn
-from frugaltrain.faults import Injector, corrupt_, fire
+from frugaltrain.inject import Injector, corrupt_, fire
 
 
 class FaultyWire(Wire):
