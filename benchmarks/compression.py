@@ -23,6 +23,9 @@ momentum (momentum 0, feedback decay 1) and a larger outer step (its lr grid: 0.
 
 FGD's Mix1 sends parameters, which top-k cannot thin (outer.param_codec, fp32 by default), so
 FGD's bytes fall only by Mix2's share; `--set outer.param_codec=int8` thins Mix1 too.
+
+The cells' figures come from table_format.compression_cells (with CODECS), which tables.py
+lays out as docs/results/compression.md's Markdown table.
 """
 
 from __future__ import annotations
@@ -38,14 +41,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provenance  # noqa: E402
 from fgd_real_text import base_config, summarize  # noqa: E402  (the shared job)
+from table_format import CODECS, compression_cells  # noqa: E402  (shared with tables.py)
 
 from frugaltrain.comm.compress import is_sparse  # noqa: E402
 from frugaltrain.config import Config, build_config  # noqa: E402
 from frugaltrain.metrics.log import read_metrics  # noqa: E402
 from frugaltrain.sim.compare import method_overrides  # noqa: E402
 
-CODECS = "fp32,bf16,int8,e3m0,topk:0.1,topk:0.01,topk:0.001"
-CODECS += ",topk:0.1+2bit,topk:0.01+2bit,topk:0.001+2bit"
 RATIO = 1.774  # fp32 DiLoCo's all-reduce in rounds of compute: the paper's 100 Mbit/s
 SPARSE_OUTER = ["outer.momentum=0", "outer.feedback_decay=1.0", "outer.lr=2.0"]
 OUTER = {  # (method, sparse codec?) -> the outer optimizer it steps with (the docstring)
@@ -83,39 +85,10 @@ def _ms(xs: list[float], fmt: str) -> str:
     return f"{statistics.mean(xs):{fmt}} ± {sd:{fmt}}"
 
 
-def cells(rows: list[dict], methods: list[str], codecs: list[str]) -> list[dict]:
-    """One line per method x codec over the seeds in `rows`: MB per round, how many times fewer
-    bytes than fp32 DiLoCo, val loss and its ratio to fp32 DiLoCo paired by seed (each as
-    values over seeds), util. Empty without an fp32 DiLoCo run to compare with."""
-    ref = {r["seed"]: r for r in rows if r["method"] == "diloco" and r["codec"] == "fp32"}
-    if not ref:
-        return []
-    ref_bytes = statistics.mean(r["bytes_per_round"] for r in ref.values())
-    out = []
-    for m in methods:
-        for c in codecs:
-            got = [r for r in rows if r["method"] == m and r["codec"] == c]
-            if not got:
-                continue
-            nbytes = statistics.mean(g["bytes_per_round"] for g in got)
-            out.append(
-                {
-                    "method": m,
-                    "codec": c,
-                    "mb": nbytes / 1e6,
-                    "fewer": ref_bytes / nbytes,
-                    "loss": [g["loss_val"] for g in got],
-                    "ratio": [
-                        g["loss_val"] / ref[g["seed"]]["loss_val"] for g in got if g["seed"] in ref
-                    ],
-                    "util": statistics.mean(g["util_measured"] for g in got),
-                }
-            )
-    return out
-
-
 def table(rows: list[dict], methods: list[str], codecs: list[str]) -> str:
-    lines = cells(rows, methods, codecs)
+    """The runs as a plain-text table, each cell's figures from table_format.compression_cells
+    (the docs' Markdown table of them: benchmarks/tables.py)."""
+    lines = compression_cells(rows, methods, codecs)
     if not lines:
         return "(no fp32 DiLoCo run to compare with: add diloco and fp32 to --methods/--codecs)"
     head = f"{'method':<17}{'codec':<16}{'MB/round':>10}{'x fewer':>9}"

@@ -9,7 +9,8 @@ and with two processes, and tokenize the whole standard library. Each command is
 Every repetition runs the four commands in order (the shards need that repetition's tokenizer)
 into a fresh temporary directory, with a datasets cache of its own; the table gives the median
 and range over repetitions and the shards' token counts from their manifests, and the JSON
-whether the one- and two-process shards are equal (their SHA-256s). Measured.
+whether the one- and two-process shards are equal (their SHA-256s). Measured. The table
+(table_format.data_prep_table) is the one tables.py writes into docs/data.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,18 +25,18 @@ import time
 from pathlib import Path
 
 import provenance
+from table_format import data_prep_table as table  # shared with tables.py (docs/data.md)
 
 TWO_MB = ["--max-bytes", "2000000"]
-# name -> (arguments after `frugaltrain data`, with TOK and OUT for the paths, what it reads)
+# name -> arguments after `frugaltrain data`, with TOK and OUT for the paths (recorded as the
+# result's variants, from which the table reads what each step read: its --max-bytes or all)
 STEPS = {
-    "tokenizer": (["tokenizer", "--vocab-size", "4096", *TWO_MB, "--out", "TOK"], "2 MB"),
-    "prepare, 1 process": (["prepare", "--tokenizer", "TOK", *TWO_MB, "--out", "OUT"], "2 MB"),
-    "prepare, 2 processes": (
-        ["prepare", "--tokenizer", "TOK", *TWO_MB, "--out", "OUT", "--num-proc", "2"],
-        "2 MB",
-    ),
-    "prepare, whole stdlib": (["prepare", "--tokenizer", "TOK", "--out", "OUT"], "all"),
-}
+    "tokenizer": ["tokenizer", "--vocab-size", "4096", *TWO_MB, "--out", "TOK"],
+    "prepare, 1 process": ["prepare", "--tokenizer", "TOK", *TWO_MB, "--out", "OUT"],
+    "prepare, 2 processes": ["prepare", "--tokenizer", "TOK", *TWO_MB, "--out", "OUT",
+                             "--num-proc", "2"],
+    "prepare, whole stdlib": ["prepare", "--tokenizer", "TOK", "--out", "OUT"],
+}  # fmt: skip
 
 
 def run_step(args: list[str], tok: Path, out: Path, cache: Path) -> float:
@@ -64,27 +64,13 @@ def repetition() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tok, rep = root / "tok", {}
-        for i, (name, (args, _)) in enumerate(STEPS.items()):
+        for i, (name, args) in enumerate(STEPS.items()):
             out = root / f"shards{i}"
             seconds = run_step(args, tok, out, root / "datasets-cache")
             rep[name] = {"wall_s": seconds}
             if "prepare" in name:
                 rep[name]["shards"] = shards_of(out)
         return rep
-
-
-def table(record: dict) -> str:
-    reps = record["measured.repetitions"]
-    lines = ["| step | input | tokens (train / val) | wall: median (range) |", "|---|---|---|---|"]
-    for name, (_, source) in STEPS.items():
-        walls = [r[name]["wall_s"] for r in reps]
-        tokens = ""
-        if "shards" in reps[0][name]:
-            sp = reps[0][name]["shards"]["splits"]
-            tokens = f"{sp['train']['tokens']:,} / {sp['val']['tokens']:,}"
-        wall = f"{statistics.median(walls):.1f} s ({min(walls):.1f}-{max(walls):.1f})"
-        lines.append(f"| {name} | {source} | {tokens} | {wall} |")
-    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -96,7 +82,7 @@ def main(argv: list[str]) -> int:
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return 0
-    record = provenance.start("measured", variants={k: v[0] for k, v in STEPS.items()})
+    record = provenance.start("measured", variants=STEPS)
     record["python"] = sys.version.split()[0]  # the stdlib's size depends on it
     record["versions"] = {m: __import__(m).__version__ for m in ("tokenizers", "datasets")}
     reps = []

@@ -13,6 +13,9 @@ finish (no hang), and the final loss is reported against the clean one (target: 
 
     python benchmarks/faults.py                               # matrix and soak
     python benchmarks/faults.py --strategies diloco,fgd --faults kill,stall --soak-rounds 0
+
+The matrix's table (table_format.faults_table) is the one tables.py writes into
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import provenance
+from table_format import faults_table as table  # shared with tables.py
 
 from frugaltrain.config import Config, build_config
 from frugaltrain.metrics.log import read_metrics
@@ -138,37 +141,6 @@ def print_row(strategy: str, fault: str, one: dict) -> None:
         f"left {f['left']} rejected {f['rejected']}",
         flush=True,
     )
-
-
-NAMES = {"fgd": "fgd (GlobalM1LocalM2)"}
-
-
-def _cell(reps: list[dict]) -> str:
-    """Median wall-time overhead [min-max], then the medians of worker-rounds lost, recovery per
-    worker and the final loss against the clean run's."""
-    over = [r["overhead"] for r in reps]
-    lost = statistics.median(r["faulted"]["worker_rounds_lost"] for r in reps)
-    rec = statistics.median(r["faulted"]["recovery_s"] for r in reps)
-    loss = statistics.median(r["loss_ratio"] for r in reps)
-    spread = f" [{min(over):.2f}-{max(over):.2f}]" if len(over) > 1 else ""
-    return f"{statistics.median(over):.2f}x{spread}, {lost:g} lost, {rec:.1f} s, {loss:.3f}"
-
-
-def table(result: dict) -> str:
-    """The matrix as Markdown: a row per strategy, a column per fault."""
-    rows = result["matrix"]
-    faults = list(dict.fromkeys(r["fault"] for r in rows))
-    head = {"partition": "partition 10 s", "stall": "stall 20 s", "corrupt": "corrupt 1e30"}
-    lines = [
-        "| strategy | " + " | ".join(head.get(f, f) for f in faults) + " |",
-        "|---" * (len(faults) + 1) + "|",
-    ]
-    for strategy in dict.fromkeys(r["strategy"] for r in rows):
-        cells = {r["fault"]: _cell(r["reps"]) for r in rows if r["strategy"] == strategy}
-        lines.append(
-            f"| {NAMES.get(strategy, strategy)} | " + " | ".join(cells[f] for f in faults) + " |"
-        )
-    return "\n".join(lines)
 
 
 def soak_spec(rounds: int, seed: int, workers: int) -> str:

@@ -26,7 +26,7 @@ to the next's, so it holds the outer step, evaluation and checkpoint before it):
    takes the freed slot: measured, from its agent's start to the line its worker prints once it
    holds the donor's state (its first round as a member), and the survivors' time lost at the
    admission (the two rounds after it, as above). The state the donor sends is counted:
-   statewire's encoding of a worker state of this config (a checkpoint's, plus the three
+   the state format's encoding of a worker state of this config (a checkpoint's, plus the three
    sequence counters admission adds).
 3. coordinator restart. After round --kill-round the coordinator is killed and started again
    with --resume --delay s later; the machines keep their workers and rejoin it live. Time lost
@@ -50,6 +50,8 @@ same data, so the ratio should be near 1). Figures: mean and min-max over --reps
     python benchmarks/machines.py                      # 3 repetitions, a few minutes each
     python benchmarks/machines.py --reps 1             # a smoke run
     python benchmarks/machines.py --table              # the Markdown table from --out
+
+The table (table_format.machines_table) is the one tables.py writes into docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ from pathlib import Path
 
 import provenance
 import torch
+from table_format import machines_table as table  # shared with tables.py
 
 from frugaltrain.cluster.auth import new_token
-from frugaltrain.comm import statewire
+from frugaltrain.comm import state_format
 from frugaltrain.config import Config, build_config, to_toml
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.netlab import cpu
@@ -311,12 +314,12 @@ def time_lost(records: list[dict], window: list[int], base: dict[str, float]) ->
 
 
 def state_bytes(run_dir: Path) -> int:
-    """The bytes of a donor's state on the wire (comm/statewire.py): a worker's state from its
+    """The bytes of a donor's state on the wire (comm/state_format.py): a worker's state from its
     newest checkpoint, with the three sequence counters admission adds."""
     ckpt = checkpoint.latest_complete(run_dir)
     state = torch.load(ckpt / "worker_0.pt", map_location="cpu", weights_only=True)
     state["ft_seq"] = (0, 0, 0)
-    return len(statewire.encode(state))
+    return len(state_format.encode(state))
 
 
 class PeakMemory(threading.Thread):
@@ -621,29 +624,6 @@ def figures(reps: list[dict]) -> list[dict]:
         out[-1] |= {"values": values, "mean": statistics.mean(values)}
         out[-1] |= {"min": min(values), "max": max(values)}
     return out
-
-
-def table(result: dict) -> str:
-    """The Markdown table of a result file: each figure's mean and min-max over repetitions."""
-    a = result["args"]
-    reps = result["reps"]
-    found = [rep["machine_loss"]["detected_by"] for rep in reps]
-    by = ", ".join(f"{m} ({found.count(m)}/{len(found)})" for m in sorted(set(found)))
-    equal = sum(all(rep["join"]["match"]) and bool(rep["join"]["match"]) for rep in reps)
-    lines = [
-        f"{a['machines']} machines at {a['rate_mbit']:g} Mbit/s, {a['machine_cpu']:g} core "
-        f"each, {a['rounds']} rounds of H = {a['H']}; {len(reps)} repetition(s); a machine's loss "
-        f"found by: {by}; the joiner's state equal to its donor's: {equal}/{len(reps)}",
-        "",
-        "| event | figure | mean | min-max | kind |",
-        "|---|---|---|---|---|",
-    ]
-    for f in result["figures"]:
-        fmt = f["format"]
-        mean = format(f["mean"], {"d": ".1f", ",d": ",.0f"}.get(fmt, fmt))
-        spread = f"{f['min']:{fmt}}-{f['max']:{fmt}}"
-        lines.append(f"| {f['event']} | {f['figure']} | {mean} | {spread} | {f['kind']} |")
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,12 +22,16 @@ blocking depends only on that round (Mix1 is posted at the round start and waite
 so simulated round k stands for measured round k + 1.
 Needs root. Writes a JSON with every figure labelled measured / simulated / estimated:
 {"provenance": command, date, machine, each case's overrides, load; "rows": one per case} (files
-written before provenance was recorded are the bare list of rows; `rows()` reads both).
+written before provenance was recorded are the bare list of rows; `rows()`
+(table_format.netlab_rows) reads both).
 
     python benchmarks/netlab_validation.py --rates 28,14 --out docs/results/netlab.json
     # recompute the simulator's measured-input prediction from a results file (no root, no
     # netlab): adds U_simulated_measured_inputs to each case, rewrites the JSON and the plot
     python benchmarks/netlab_validation.py --reanalyze docs/results/netlab.json
+    # the utilization table of a results file (table_format.netlab_table; tables.py writes it
+    # into docs/results/netlab.md)
+    python benchmarks/netlab_validation.py --table docs/results/netlab.json
 """
 
 from __future__ import annotations
@@ -39,18 +43,14 @@ import time
 from pathlib import Path
 
 import provenance
+from table_format import netlab_rows as rows
+from table_format import netlab_table
 
 METHODS = {
     "diloco": ["outer.strategy='diloco'"],
     "GlobalM1": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1'"],
     "GlobalM1LocalM2": ["outer.strategy='fgd'", "outer.fgd.preset='GlobalM1LocalM2'"],
 }
-
-
-def rows(data: dict | list) -> list[dict]:
-    """The cases of a results file: its "rows", or the file itself when it is the bare list that
-    files written before provenance was recorded hold."""
-    return data["rows"] if isinstance(data, dict) else data
 
 
 def predicted_blocking(method: str, compute_s: float, t_ar: float, t_pair: float) -> float:
@@ -225,12 +225,16 @@ def main() -> int:
     ap.add_argument("--runs", default="/tmp/netlab-runs", help="parent of the run directories")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator predictions")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of a results file")
+    ap.add_argument("--table", metavar="JSON", help="only print the table of a results file")
     ap.add_argument(
         "--reanalyze",
         metavar="JSON",
         help="add the simulator's measured-input prediction to a results file (no netlab)",
     )
     args = ap.parse_args()
+    if args.table:
+        print(netlab_table(json.loads(Path(args.table).read_text())))
+        return 0
     if args.plot:
         plot(rows(json.loads(Path(args.plot).read_text())), Path(args.plot).with_suffix(".png"))
         return 0

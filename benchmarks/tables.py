@@ -14,6 +14,11 @@ table; `--check` rewrites nothing and exits 1 naming each table whose doc differ
 (tests/benchmarks/test_tables.py runs it, so a number edited by hand, or a result file changed
 without its doc, fails the tests).
 
+A table's code is here, or, for a table its benchmark script prints too, in table_format.py
+(time_to_loss_analysis.py for time_to_loss.py's tables), which that script imports as well: the
+benchmark scripts may use those modules, this one imports no benchmark script. Both are found
+beside this file: Python puts a script's own directory first on its module search path.
+
     python benchmarks/tables.py            # rewrite the tables in README.md and docs/
     python benchmarks/tables.py --check    # compare only
 """
@@ -30,24 +35,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from table_format import (
+    CODECS,
+    compression_cells,
+    data_prep_table,
+    faults_table,
+    machines_table,
+    netlab_table,
+    row,
+    worker_start_table,
+)
+from time_to_loss_analysis import (
+    PENALTY_FILES,
+    analyze,
+    diloco_r,
+    fmt_ratios,
+    penalties,
+    plan_table,
+)
+from time_to_loss_analysis import table as time_to_loss_table
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import flow_tables  # noqa: E402
-from compression import CODECS, cells  # noqa: E402  (a sibling script, not a package)
-from data_prep import table as data_prep_table  # noqa: E402
-from faults import table as faults_table  # noqa: E402
-from machines import table as machines_table  # noqa: E402
-from netlab_validation import rows as netlab_rows  # noqa: E402
-from time_to_loss import PENALTY_FILES  # noqa: E402
-from time_to_loss import analyze as time_to_loss_analyze  # noqa: E402
-from time_to_loss import diloco_r as time_to_loss_diloco_r  # noqa: E402
-from time_to_loss import fmt_ratios as time_to_loss_fmt_ratios  # noqa: E402
-from time_to_loss import penalties as time_to_loss_penalties  # noqa: E402
-from time_to_loss import plan_table as time_to_loss_plan  # noqa: E402
-from time_to_loss import table as time_to_loss_table  # noqa: E402
-from worker_start import table as worker_start_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -67,11 +76,6 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.4f} ± {sd:.4f}"
 
 
-def _row(cells: list[str]) -> str:
-    """A Markdown table row; an empty cell stays empty (`| |`)."""
-    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
-
-
 def compression(files: list[dict]) -> str:
     """Bytes per round against loss, every codec, DiLoCo and GlobalM1LocalM2 (three seeds)."""
     rows = [r for f in files for r in f["runs"]]
@@ -81,7 +85,7 @@ def compression(files: list[dict]) -> str:
         "| x DiLoCo fp32 | util at 100 Mbit/s (simulated) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for x in cells(rows, ["diloco", "GlobalM1LocalM2"], CODECS.split(",")):
+    for x in compression_cells(rows, ["diloco", "GlobalM1LocalM2"], CODECS.split(",")):
         lines.append(
             f"| {names.get(x['method'], x['method'])} | {x['codec']} | {_mb(x['mb'])} "
             f"| {x['fewer']:.1f} | {_ms(x['loss'])} | {_ms(x['ratio'])} | {x['util']:.3f} |"
@@ -100,7 +104,7 @@ def ft_straggler(files: list[dict]) -> str:
     for r in f["rows"]:
         ratio = f["summary"][r["method"]]["worker0_time_ratio"] if r["straggler"] else 1.0
         lines.append(
-            _row(
+            row(
                 [
                     r["method"],
                     f"worker 1 at {f['factor']:g}x" if r["straggler"] else "no",
@@ -141,7 +145,7 @@ def energy_roofline(files: list[dict]) -> str:
         r = rows[key]
         mape = f"**{_pct(r['mape'])}**" if key == "roofline_pre_run" else _pct(r["mape"])
         rmse = f"{r['log_rmse']:.3f}" if key != "scale_shift_pre_run" else ""
-        lines.append(_row([label, f"{r['r2_log']:.3f}", mape, rmse]))
+        lines.append(row([label, f"{r['r2_log']:.3f}", mape, rmse]))
     return "\n".join(lines)
 
 
@@ -166,7 +170,7 @@ def energy_h100(files: list[dict]) -> str:
         met = r["mape"] <= mape_max and (r2_min is None or r["r2_log"] >= r2_min)
         target = f"≤ {100 * mape_max:g}%" + (f", R² ≥ {r2_min:g}" if r2_min else "")
         cells = [f"{r['r2_log']:.3f}", _pct(r["mape"]), f"{target}: {'met' if met else 'missed'}"]
-        lines.append(_row([label, *cells]))
+        lines.append(row([label, *cells]))
     return "\n".join(lines)
 
 
@@ -194,7 +198,7 @@ def hf_outer_choice(groups: tuple[tuple[str, ...], ...]) -> Callable[[list[dict]
                 cells.append(f"{means[m]:.4f}")
                 if means[m] == min(means.values()):
                     cells = [f"**{c}**" for c in cells]
-                lines.append(_row([m, corpus, *cells]))
+                lines.append(row([m, corpus, *cells]))
         return "\n".join(lines)
 
     return render
@@ -223,7 +227,7 @@ def hf_pair_ratios(pairs: tuple[tuple[str, str], ...]) -> Callable[[list[dict]],
                 )
                 cells = [", ".join(f"{x:.4f}" for x in xs)]
                 cells += [f"{statistics.mean(x):.4f}, {max(x):.4f}" for x in (xs, avg)]
-                lines.append(_row([f"{method} / {ref}", c, *cells]))
+                lines.append(row([f"{method} / {ref}", c, *cells]))
         return "\n".join(lines)
 
     return render
@@ -239,7 +243,7 @@ def forge_memory_llama(files: list[dict]) -> str:
     for r in files[0]["rows"]:
         cells = [r["dtype"], r["variant"], f"{r['resident_MiB']:.0f}", f"{r['peak_MiB']:.0f}"]
         cells += [f"{r['peak_ratio']:.2f}", f"{r['transient_MiB']:.0f}"]
-        lines.append(_row([*cells, f"{r['transient_ratio']:.2f}", f"{r['largest_alloc_MiB']:.1f}"]))
+        lines.append(row([*cells, f"{r['transient_ratio']:.2f}", f"{r['largest_alloc_MiB']:.1f}"]))
     return "\n".join(lines)
 
 
@@ -255,7 +259,7 @@ def forge_speed_states(files: list[dict]) -> str:
         paired = f"{r['paired_ratio_median']:.2f}" + (f" ({lo:.2f} - {hi:.2f})" if lo != hi else "")
         cells = [r["size"], r["dtype"], r["variant"], f"{r['median_step_s']:.3f}"]
         cells.append(f"{r['min_step_s']:.3f} - {r['max_step_s']:.3f}")
-        lines.append(_row([*cells, f"{r['ratio']:.2f}", paired]))
+        lines.append(row([*cells, f"{r['ratio']:.2f}", paired]))
     return "\n".join(lines)
 
 
@@ -288,7 +292,7 @@ def sharding_memory(names: tuple[str, ...]) -> Callable[[list[dict]], str]:
             runs = _by_shards(f, "memory")
             mmap = runs[min(runs)][0].get("malloc_mmap_threshold")
             malloc = f"`MALLOC_MMAP_THRESHOLD_={mmap}`" if mmap else "glibc's default malloc"
-            lines.append(_row([f"{malloc} (`benchmarks/results/{name}`)", *[""] * 5]))
+            lines.append(row([f"{malloc} (`benchmarks/results/{name}`)", *[""] * 5]))
             peak = {s: [max(r["peak_rss_MiB"]) for r in rs] for s, rs in runs.items()}
             step = {s: [r["step_s"] for r in rs] for s, rs in runs.items()}
             peak1, step1 = (statistics.median(x[min(runs)]) for x in (peak, step))
@@ -296,37 +300,10 @@ def sharding_memory(names: tuple[str, ...]) -> Callable[[list[dict]], str]:
                 ratio = f"{statistics.median(peak[s]) / peak1:.3f}"
                 cells = [str(s), _spread(peak[s], ".0f"), f"**{ratio}**" if s > 1 else ratio]
                 cells += [f"{rs[0]['estimate_with_process_MiB']:.0f}", _spread(step[s], ".1f")]
-                lines.append(_row([*cells, f"{statistics.median(step[s]) / step1:.2f}"]))
+                lines.append(row([*cells, f"{statistics.median(step[s]) / step1:.2f}"]))
         return "\n".join(lines)
 
     return render
-
-
-def netlab_utilization(files: list[dict]) -> str:
-    """Measured utilization on the rate-limited links beside each prediction (netlab.json), with
-    the measured figure relative to each prediction."""
-
-    def against(pred: float, measured: float, digits: int = 0) -> str:
-        return f"{pred:.3f} ({(measured / pred - 1) * 100:+.{digits}f}%)"
-
-    lines = [
-        "| rate | method | step c (s), measured | r (probed) | **U measured** "
-        "| closed form, probed link | simulator, probed link | simulator, measured inputs "
-        "| closed form, nominal link | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in netlab_rows(files[0]):
-        u = r["measured"]["U"]
-        cells = [f"{r['rate_mbit']:g} Mbit/s", r["method"], f"{r['measured']['step_s']:.3f}"]
-        cells += [f"{r['r_probe_estimated']:.2f}", f"**{u:.3f}**"]
-        cells += [
-            against(r["U_closed_form_probe_estimated"], u),
-            against(r["U_simulated_probe"], u),
-        ]
-        cells += [against(r["U_simulated_measured_inputs"], u, 1)]
-        cells += [against(r["U_closed_form_nominal_estimated"], u)]
-        lines.append(_row([*cells, f"{r['load_avg_1min_before']:.1f}"]))
-    return "\n".join(lines)
 
 
 def _corpora_runs(files: list[dict], model: str = "base") -> dict[tuple[str, str, int], dict]:
@@ -380,7 +357,7 @@ def fgd_pair_ratios(
                     cells = [f"{x:.4f}" if x is not None else "-" for x in xs]
                     cells += [f"{statistics.mean(have):.4f}", f"{max(have):.4f}"]
                     tuned = " (tuned)" if c == files[0]["tuned_on"] else ""
-                    lines.append(_row([f"{method} / {ref}", c + tuned, *cells]))
+                    lines.append(row([f"{method} / {ref}", c + tuned, *cells]))
             parts.append("\n".join(lines) + "\n")
         return "\n".join(parts).rstrip()
 
@@ -419,6 +396,93 @@ DILOCO_RS_OVERLAP_JOB_FILES = (
 )
 
 
+# docs/flow.md: benchmarks/flow.py's result files on the transformers parts (run 3 the quiet
+# one; their fair baseline is `monolithic_dp`). The page's other tables (the idle breakdown, the
+# simulator's sensitivity and validation, the earlier tiny parts on digits) are frozen there,
+# each naming its results files.
+FLOW_WORKLOADS = {"encoder_heavy": "encoder-heavy", "backbone_heavy": "backbone-heavy"}
+FLOW_BASELINE = "monolithic_dp"  # the transformers runs' fair baseline
+
+VLM_FILES = ("flow-vlm-run1.json", "flow-vlm-run2.json", "flow-vlm-quiet.json")
+VLM_RUNS = ("1", "2", "3 (quiet)")  # the row label of each of VLM_FILES
+VLM_GROUPS = ((0, 1), (2,))  # the loaded runs, then the quiet one, each by workload
+
+
+def _header(cells: list[str]) -> list[str]:
+    return ["| " + " | ".join(cells) + " |", "|---" * len(cells) + "|"]
+
+
+def _vlm_rows(files: list[dict], groups=VLM_GROUPS):
+    """(workload, row label, that workload's result) in the tables' order: each group of runs,
+    by workload."""
+    for group in groups:
+        for wl, name in FLOW_WORKLOADS.items():
+            for i in group:
+                yield wl, f"{name}, {VLM_RUNS[i]}", files[i]["workloads"][wl]
+
+
+def _median_boot(s: dict) -> str:
+    lo, hi = s["boot95"]
+    return f"{s['median']:.1f} [{lo:.1f}-{hi:.1f}]"
+
+
+def _load_before(w: dict) -> str:
+    """The 1-minute load average before every run of every variant: median [min-max]."""
+    xs = [before for runs in w["measured.loadavg_1min_per_run"].values() for before, _ in runs]
+    return f"{statistics.median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
+
+
+def vlm_runs(files: list[dict]) -> str:
+    """Every variant's median samples/s with its 95% bootstrap interval, flow / the fair baseline
+    (ratio of medians, in bold, with its interval) and the allocator's prediction of it."""
+    lines = _header(
+        [
+            "Workload, run",
+            "load before runs, median [min-max]",
+            "monolithic_dp (fair baseline)",
+            "monolithic, 1 process x 2 threads",
+            "sync",
+            "flow",
+            "**flow / baseline** [95%]",
+            "predicted flow / baseline",
+        ]
+    )
+    for _, label, w in _vlm_rows(files):
+        thr = w["measured.samples_per_s"]
+        ratio = thr["flow"]["median"] / thr[FLOW_BASELINE]["median"]
+        lo, hi = w[f"measured.over_{FLOW_BASELINE}"]["flow"]["boot95"]
+        cells = [_median_boot(thr[v]) for v in (FLOW_BASELINE, "monolithic", "sync", "flow")]
+        lines.append(
+            row(
+                [
+                    label,
+                    _load_before(w),
+                    *cells,
+                    f"**{ratio:.2f}** [{lo:.2f}-{hi:.2f}]",
+                    f"{w['predicted']['predicted.flow_over_baseline']:.2f}",
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
+def vlm_projection(files: list[dict]) -> str:
+    """Simulated flow / data parallelism at every projected R, with the MILP plan (encoder +
+    backbone); R = 8 and 64 in bold."""
+    proj = files[0]["workloads"]["encoder_heavy"]["simulated.projection"]
+    budgets = sorted(proj, key=int)
+    lines = _header(["Workload, profile of run", *(f"R = {R}" for R in budgets)])
+    for _, label, w in _vlm_rows(files):
+        cells = []
+        for R in budgets:
+            at = w["simulated.projection"][R]
+            x = f"{at['simulated.flow_over_baseline']:.2f}"
+            plan = "+".join(map(str, at["milp_plan"]))
+            cells.append(f"{f'**{x}**' if R in ('8', '64') else x} ({plan})")
+        lines.append(row([label, *cells]))
+    return "\n".join(lines)
+
+
 HEADLINE = "time_to_loss_headline.json"
 HEADLINE_ROWS = (  # (label, method) of README's headline, all from one run
     ("DiLoCo (32-bit, H = 10)", "diloco"),
@@ -433,18 +497,18 @@ def readme_headline(files: list[dict]) -> str:
     loss at DiLoCo's last step over DiLoCo's, from one run over shaped links."""
     record = files[0]
     (case,) = record["cases"]
-    r = time_to_loss_diloco_r(record, case)
+    r = diloco_r(record, case)
     lines = [
         f"| method | time to DiLoCo's final loss, x DiLoCo (mean, range over {len(record['seeds'])}"
         " seeds) | loss at DiLoCo's last step, x DiLoCo (mean, worst seed) |",
         "|---|---|---|",
     ]
-    found = {a["method"]: a for a in time_to_loss_analyze(record)}
+    found = {a["method"]: a for a in analyze(record)}
     for label, method in HEADLINE_ROWS:
         a = found[method]
         final = a["final_x"]
         loss = f"{statistics.mean(final):.4f} ({max(final):.4f})" if final else "-"
-        lines.append(f"| {label} | {time_to_loss_fmt_ratios(a['ratios'])} | {loss} |")
+        lines.append(f"| {label} | {fmt_ratios(a['ratios'])} | {loss} |")
     return "\n".join(lines) + f"\n\nDiLoCo's exchange took {r:.2f}x its compute per round here."
 
 
@@ -459,7 +523,7 @@ def _plan(file: str, penalty_files: tuple[str, ...] = PENALTY_FILES) -> Table:
     paths = [f"benchmarks/results/{name}" for name in penalty_files]
 
     def render(f: list[dict]) -> str:
-        return time_to_loss_plan(f[0], time_to_loss_penalties(list(zip(paths, f[1:], strict=True))))
+        return plan_table(f[0], penalties(list(zip(paths, f[1:], strict=True))))
 
     return Table("docs/results/time_to_loss.md", (file, *penalty_files), render)
 
@@ -482,8 +546,8 @@ TABLES = {  # the headline tables; the docs' other tables are frozen text naming
         "docs/energy.md", ("energy_public_validation.json",), energy_roofline
     ),
     "energy-h100": Table("docs/energy.md", ("energy_gpu_h100_summary.json",), energy_h100),
-    "flow-runs": Table("docs/flow.md", flow_tables.VLM_FILES, flow_tables.vlm_runs),
-    "flow-projection": Table("docs/flow.md", flow_tables.VLM_FILES, flow_tables.vlm_projection),
+    "flow-runs": Table("docs/flow.md", VLM_FILES, vlm_runs),
+    "flow-projection": Table("docs/flow.md", VLM_FILES, vlm_projection),
     "forge-memory-llama": Table(
         "docs/forge.md", ("forge_memory_llama125M.json",), forge_memory_llama
     ),
@@ -511,7 +575,7 @@ TABLES = {  # the headline tables; the docs' other tables are frozen text naming
         fgd_pair_ratios(RETUNE_ALL_PAIRS),
     ),
     "netlab-utilization": Table(
-        "docs/results/netlab.md", ("docs/results/netlab.json",), netlab_utilization
+        "docs/results/netlab.md", ("docs/results/netlab.json",), lambda f: netlab_table(f[0])
     ),
     "time-to-loss-at-r": _time_to_loss("time_to_loss_at_r.json", time_to_loss_table),
     "time-to-loss-at-r-plan": _plan("time_to_loss_at_r.json"),

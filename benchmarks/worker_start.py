@@ -7,6 +7,9 @@ imports torch._dynamo). Each repetition is a fresh launcher process (so the fork
 cold), the two ways alternating; the table gives the median and the min-max.
 
     python benchmarks/worker_start.py [--workers 4] [--reps 3] [--out FILE]
+
+The table (table_format.worker_start_table) is the one tables.py writes into
+docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import provenance
+from table_format import worker_start_table as table  # shared with tables.py
 
 WAYS = ("spawn", "forkserver")
 
@@ -85,25 +88,6 @@ def measure(workers: int, reps: int, tmp: Path) -> dict[str, list[dict]]:
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[way].append(json.loads(out.splitlines()[-1]))
     return runs
-
-
-def table(record: dict) -> str:
-    runs = record["runs"]
-    med = lambda way, k: statistics.median(r[k] for r in runs[way])  # noqa: E731
-    span = lambda way, k: f"{min(r[k] for r in runs[way]):.2f}-{max(r[k] for r in runs[way]):.2f}"  # noqa: E731
-    lines = [
-        f"{record['workers']} workers, {record['reps']} repetitions, {record['machine']['cores']} "
-        "cores (measured; median, min-max):",
-        "",
-        "| way | start, s | its CPU, s | restart, s | its CPU, s |",
-        "|---|---|---|---|---|",
-    ]
-    for way in WAYS:
-        cells = [f"{med(way, k):.2f} ({span(way, k)})" for k in runs[way][0]]
-        lines.append(f"| {way} | " + " | ".join(cells) + " |")
-    ratio = {k: med("forkserver", k) / med("spawn", k) for k in runs["spawn"][0]}
-    lines.append("| forkserver x spawn | " + " | ".join(f"{v:.2f}" for v in ratio.values()) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
