@@ -1,7 +1,7 @@
 """CPU time of each codec's encode and decode at one tensor's size, on one thread: what a round's
 coding costs inside a worker's CPU share (a worker held to 0.4 core pays 2.5x these times).
 
-Beside the packed e3m0 codec (comm/compress.py) runs `e3m0-formula`, the same values computed
+Beside the packed e3m0 codec (codecs/compress.py) runs `e3m0-formula`, the same values computed
 elementwise as the format is defined (compress.e3m0_by_formula: exp2 and selects per value,
 unpacked); the two give the same bits (tests/comm/test_mixing.py). Each variant runs `--reps` times,
 alternating, after a warm-up; the table gives the median and the min-max, and e3m0's round
@@ -22,7 +22,7 @@ import time
 import provenance
 import torch
 
-from frugaltrain.comm import compress
+from frugaltrain.codecs import compress
 
 
 def measure(numel: int, reps: int) -> dict[str, dict[str, list[float]]]:

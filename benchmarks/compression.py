@@ -43,7 +43,7 @@ import provenance  # noqa: E402
 from fgd_real_text import base_config, summarize  # noqa: E402  (the shared job)
 from table_format import CODECS, compression_cells  # noqa: E402  (shared with tables.py)
 
-from frugaltrain.comm.compress import is_sparse  # noqa: E402
+from frugaltrain.codecs.grammar import is_sparse  # noqa: E402
 from frugaltrain.config import Config, build_config  # noqa: E402
 from frugaltrain.metrics.log import read_metrics  # noqa: E402
 from frugaltrain.sim.compare import method_overrides  # noqa: E402

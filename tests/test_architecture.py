@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "frugaltrain"
 # one level are independent of each other.
 LEVEL = {
     "inject": 0,  # the grammar of fault_tolerance.inject, which the config checks
+    "codecs": 0,  # the codecs and their grammar (codecs/grammar.py), which the config checks
     "processes": 0,  # worker processes forked from one import of torch (train/ and flow/)
     "config": 1,
     "data": 2,
@@ -41,7 +42,7 @@ LEVEL = {
     "__init__": 11,
 }
 # What cluster/ may import besides itself: it must run where torch is not installed.
-CLUSTER_MAY_IMPORT = {"config", "metrics", "inject"}
+CLUSTER_MAY_IMPORT = {"config", "metrics", "inject", "codecs"}
 KERNELS = {"forge/triton_kernel.py:_fused_wgrad_kernel"}  # launch arguments one per line
 
 

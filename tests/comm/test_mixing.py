@@ -13,9 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers.gloo_pool import free_port
 
-from frugaltrain.comm import compress, topology, torchdist
+from frugaltrain.codecs import compress
+from frugaltrain.codecs.feedback import ErrorFeedback
+from frugaltrain.codecs.grammar import FEEDBACK_CODECS
+from frugaltrain.comm import topology, torchdist
 from frugaltrain.comm.base import weighted_sum
-from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.torchdist import TorchDistComm
 
 
@@ -107,7 +109,7 @@ def test_e3m0_is_its_formula_to_the_bit(n):
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 
-@pytest.mark.parametrize("codec", compress.FEEDBACK_CODECS)
+@pytest.mark.parametrize("codec", FEEDBACK_CODECS)
 def test_low_bit_codecs_keep_each_signs_and_each_blocks_magnitude(codec):
     """2bit and 1bit send a sign per value and magnitudes that are means over the block (1bit:
     one, the block's mean; 2bit: two, split at it), so a block's sum of magnitudes survives; a

@@ -1,8 +1,8 @@
 """Communication, the data plane: the interface strategies see (`Comm`), the loop's side of a
-runtime (`Runtime`), and their torch.distributed and fault-tolerant implementations, with the
-codecs, guards and pacing they compose. The control plane across machines (the coordinator, its
-store, gateway and run token) is cluster/, torch-free; this package's rendezvous code uses its
-store keys and rendezvous JSON.
+runtime (`Runtime`), and their torch.distributed and fault-tolerant implementations, composing
+the codecs (frugaltrain/codecs/), the guard, the accounting and the pacing. The control plane
+across machines (the coordinator, its store, gateway and run token) is cluster/, torch-free;
+this package's rendezvous code uses its store keys and rendezvous JSON.
 
 The names below load on first use, so importing one of this package's torch-free modules
 (pacing.py) imports no torch.
@@ -14,12 +14,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from frugaltrain.comm.base import Comm, CommStats, Handle, LocalComm
+    from frugaltrain.comm.accounting import CommStats
+    from frugaltrain.comm.base import Comm, Handle, LocalComm
     from frugaltrain.comm.runtime import Runtime
 
 _WHERE = {
     "Comm": "base",
-    "CommStats": "base",
+    "CommStats": "accounting",
     "Handle": "base",
     "LocalComm": "base",
     "Runtime": "runtime",

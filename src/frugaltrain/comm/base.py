@@ -7,12 +7,8 @@ codec from comm.compress). Two runtimes implement it:
 `LocalComm` (one worker: every operation is the identity, nothing is sent) and `TorchDistComm`
 (torch.distributed); the simulator implements the same methods on a virtual clock.
 
-Accounting lives here so every strategy reports it the same way:
-- `bytes_sent` / `bytes_received` per worker, from the algorithm's traffic model (ring all-reduce
-  sends and receives 2(M-1)/M * S for a payload of S bytes); gathers and point-to-point
-  exchanges count the encoded bytes of every copy sent or received.
-- `blocking_s`: wall-clock seconds the worker spent inside `Handle.wait()`, i.e. blocked;
-  `blocking_by_op` splits it by the name a strategy gives each operation (`op="mix2"`).
+Its parts: the codecs (frugaltrain/codecs/), the guard (`ContributionGuard`, comm/guard.py)
+and the accounting (`CommStats`, comm/accounting.py), which every runtime shares.
 
 With emulated links (run.link_mbit, comm/pacing.py) the bytes a public operation added are
 queued on the worker's `pacer` when it is posted, and its handle's `wait()` returns no earlier
@@ -23,41 +19,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from frugaltrain.comm import compress, topology
-from frugaltrain.comm.feedback import ErrorFeedback
-from frugaltrain.comm.guard import Guard, Verdict, guarded_weights, norm_of, verdict
+from frugaltrain.codecs import compress
+from frugaltrain.codecs.feedback import ErrorFeedback
+from frugaltrain.comm import topology
+from frugaltrain.comm.accounting import CommStats, payload_bytes, ring_allreduce_bytes
+from frugaltrain.comm.guard import ContributionGuard, Guard, Verdict, guarded_weights
 from frugaltrain.comm.pacing import Pacer
-
-
-@dataclass
-class CommStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    blocking_s: float = 0.0
-    recovery_s: float = 0.0  # fault-tolerant runtime: detecting a failure and re-forming
-    blocking_by_op: dict[str, float] = field(default_factory=dict)  # op name -> seconds
-    current_op: str = "outer"  # the operation being started (Handles take it as their name)
-
-    def copy(self) -> CommStats:
-        out = CommStats(self.bytes_sent, self.bytes_received, self.blocking_s, self.recovery_s)
-        out.blocking_by_op = dict(self.blocking_by_op)
-        return out
-
-    def minus(self, other: CommStats) -> CommStats:
-        out = CommStats(
-            self.bytes_sent - other.bytes_sent,
-            self.bytes_received - other.bytes_received,
-            self.blocking_s - other.blocking_s,
-            self.recovery_s - other.recovery_s,
-        )
-        before = other.blocking_by_op
-        out.blocking_by_op = {k: v - before.get(k, 0.0) for k, v in self.blocking_by_op.items()}
-        return out
 
 
 class Handle:
@@ -93,26 +64,16 @@ class Handle:
     def wait(self) -> None:
         if self._finished:
             return
-        stats, pacer = self._stats, self._pacer
+        pacer = self._pacer
         clock = time.perf_counter if pacer is None else pacer.clock
-        t0, recovering, blocked = clock(), stats.recovery_s, stats.blocking_s
-        self._wait_fn()
-        if pacer is not None:  # the real transfer is done: sleep out the emulated link's rest
-            pacer.sleep_until(self._until)
-        spent = clock() - t0
-        stats.blocking_s += spent - (stats.recovery_s - recovering)
-        by_op = stats.blocking_by_op  # the simulator's blocking_s is its clock: take the change
-        by_op[self.op] = by_op.get(self.op, 0.0) + stats.blocking_s - blocked
+
+        def done() -> None:
+            self._wait_fn()
+            if pacer is not None:  # the real transfer is done: sleep out the emulated link's rest
+                pacer.sleep_until(self._until)
+
+        self._stats.timed(done, self.op, clock)
         self._finished = True
-
-
-def ring_allreduce_bytes(payload_bytes: int, world_size: int) -> int:
-    """Bytes each worker sends (and receives) in a ring all-reduce of `payload_bytes`."""
-    return 2 * (world_size - 1) * payload_bytes // world_size
-
-
-def payload_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -215,14 +176,12 @@ class Comm:
     ) -> None:
         self.stats = CommStats()
         self.deterministic = deterministic
-        self.guard = guard
+        self.guard = None if guard is None else ContributionGuard(guard, shard_link)
         self.shard_link = shard_link
         self.members: list[int] = []
-        self.events: list[dict] = []  # the guard's records for worker 0's log (drain_rejections)
         self.wire = Wire()  # what its traffic passes through (fault injection swaps it)
         self.coded_average = "all_gather"  # or "reduce_scatter": how a coded average travels
         self._op_seq = 0
-        self._rejected_self = False
 
     @property
     def position(self) -> int:
@@ -334,8 +293,7 @@ class Comm:
             handle = self._mix(tensors, np.tile(v.accepted / k, (n, 1)), codec, feedback)
         elif codec == "fp32" and not self.deterministic:
             nbytes = ring_allreduce_bytes(payload_bytes(tensors), n)
-            self.stats.bytes_sent += nbytes
-            self.stats.bytes_received += nbytes
+            self.stats.count(nbytes, nbytes)
             handle = self._all_reduce_sum(tensors, scale=1.0 / n)
         elif self.coded_average == "reduce_scatter" and not compress.is_sparse(codec):
             handle = self._average_in_two_phases(tensors, codec, feedback)
@@ -356,46 +314,25 @@ class Comm:
             return None
         n, me = len(self.members), self.position
         norms = torch.zeros(n, dtype=torch.float64)
-        norms[me] = self._contribution_norm(tensors)
-        stats = self.stats
-        t0, recovering, blocked = time.perf_counter(), stats.recovery_s, stats.blocking_s
-        self._metric_sum(norms)
-        stats.blocking_s += time.perf_counter() - t0 - (stats.recovery_s - recovering)
-        by_op, op = stats.blocking_by_op, stats.current_op  # the change: the simulator's clock
-        by_op[op] = by_op.get(op, 0.0) + stats.blocking_s - blocked
-        v = verdict(norms.numpy(), self.guard)
+        norms[me] = self.guard.norm(tensors)
+        self.stats.timed(lambda: self._metric_sum(norms), self.stats.current_op)
+        v = self.guard.judge(norms.numpy(), self.members, me)
         if v.scale[me] != 1.0:
             for t in tensors:
                 t.mul_(float(v.scale[me]))
-        if not v.clean:
-            self._rejected_self |= me in v.rejected
-            self.events.append(self._rejection_record(v))
         if me in v.rejected and feedback is not None:
             feedback.reset()
         return v
 
-    def _contribution_norm(self, tensors: list[torch.Tensor]) -> float:
-        """The norm the guard judges: of `tensors`, or with shards of the replica's whole
-        contribution, so every shard group reaches the same verdict."""
-        if self.shard_link is None:
-            return norm_of(tensors)
-        return self.shard_link.norm(tensors)
-
-    def _rejection_record(self, v: Verdict) -> dict:
-        return {
-            "kind": "rejected",
-            "workers": [self.members[i] for i in v.rejected + v.clipped],
-            "action": "clip" if v.clipped else "reject",
-            "norms": [float(x) for x in v.norms],
-            "median": v.median,
-            "factor": self.guard.factor,
-        }
-
     def take_rejection(self) -> bool:
         """Whether this worker's own contribution was rejected since the last call (a strategy
         then drops what it kept locally from it, e.g. outer momentum)."""
-        rejected, self._rejected_self = self._rejected_self, False
-        return rejected
+        return self.guard is not None and self.guard.take_rejection()
+
+    def drain_rejections(self) -> list[dict]:
+        """The guard's records since the last call (`"kind": "rejected"`), for worker 0's
+        metrics log; the runtime hands them to the loop at the round end."""
+        return [] if self.guard is None else self.guard.drain()
 
     def _encode_counted(
         self,
@@ -409,8 +346,7 @@ class Comm:
         received."""
         own, parts = encode_own(tensors, codec, feedback)
         wire = compress.wire_bytes(own.numel(), codec)
-        self.stats.bytes_sent += wire * sends
-        self.stats.bytes_received += wire * receives
+        self.stats.count(wire * sends, wire * receives)
         return own, parts
 
     def _mix(
@@ -468,8 +404,7 @@ class Comm:
             feedback.keep(flat - sent[: flat.numel()])
             own = sent[me * size : (me + 1) * size]
         wire = compress.wire_bytes(size, codec) * 2 * (n - 1)
-        self.stats.bytes_sent += wire
-        self.stats.bytes_received += wire
+        self.stats.count(wire, wire)
         seq = self._op_seq
         self._op_seq += 2
         scatter = self._scatter({self.members[j]: parts[j] for j in range(n) if j != me}, seq)
@@ -502,12 +437,6 @@ class Comm:
         `parts()` waits on what they are made of. Here it starts when waited on; runtimes that
         can move it in the background start it as soon as `parts()` has returned."""
         return Exchange(lambda: self._all_gather(parts(), seq).wait_all(), lambda: False)
-
-    def drain_rejections(self) -> list[dict]:
-        """The guard's records since the last call (`"kind": "rejected"`), for worker 0's
-        metrics log; the runtime hands them to the loop at the round end."""
-        out, self.events = self.events, []
-        return out
 
     # Transport primitives, one set per runtime. The `_metric_*` ones move logging and guard
     # scalars (not algorithm traffic); comm/runtime.py's Runtime reduces through them too.

@@ -92,3 +92,57 @@ def guarded_weights(w: np.ndarray, v: Verdict) -> np.ndarray:
             out[i] = 0.0
             out[i, i] = 1.0
     return out
+
+
+class ContributionGuard:
+    """The guard as a part of a Comm: it judges contributions by their norms (`verdict`),
+    remembers whether this worker's own was rejected (a strategy then drops what it kept from
+    it) and keeps the records for worker 0's log (`"kind": "rejected"`).
+
+    rule: the run's Guard. replica: with run.shards > 1, the other shards of this worker's
+    replica (comm/replica_shards.py): norms are then of the replica's whole contribution, so
+    every shard group reaches the same verdict."""
+
+    def __init__(self, rule: Guard, replica=None) -> None:
+        self.rule = rule
+        self.replica = replica
+        self.records: list[dict] = []
+        self._rejected_self = False
+
+    def norm(self, tensors: list[torch.Tensor]) -> float:
+        """The norm judged for this worker's contribution `tensors`."""
+        return norm_of(tensors) if self.replica is None else self.replica.norm(tensors)
+
+    def norms(self, flats: list[torch.Tensor]) -> list[float]:
+        """The norms judged for contributions that arrived, one flat tensor each."""
+        if self.replica is None:
+            return [norm_of([f]) for f in flats]
+        return self.replica.norms(flats)
+
+    def judge(self, norms: np.ndarray, workers: list[int], own: int) -> Verdict:
+        """The verdict on `norms`, the contributions of `workers` (this worker's at index
+        `own`), recorded unless clean."""
+        v = verdict(norms, self.rule)
+        if not v.clean:
+            self._rejected_self |= own in v.rejected
+            self.records.append(
+                {
+                    "kind": "rejected",
+                    "workers": [workers[i] for i in v.rejected + v.clipped],
+                    "action": "clip" if v.clipped else "reject",
+                    "norms": [float(x) for x in v.norms],
+                    "median": v.median,
+                    "factor": self.rule.factor,
+                }
+            )
+        return v
+
+    def take_rejection(self) -> bool:
+        """Whether this worker's own contribution was rejected since the last call."""
+        rejected, self._rejected_self = self._rejected_self, False
+        return rejected
+
+    def drain(self) -> list[dict]:
+        """The records since the last call."""
+        out, self.records = self.records, []
+        return out

@@ -4,9 +4,10 @@
 
 Each section checks its own fields; `Config` checks the rules that span sections (outer.H
 against run.steps, FORGE with ddp, Streaming's fragments against the model's blocks). The
-vocabulary of names the config accepts lives here too (strategies and the keys each reads,
-codecs, topologies, fgd presets); the code that implements each name lives above (outer/, comm/)
-and takes its list of names from here.
+names the config accepts live here too (strategies and the keys each reads, topologies, fgd
+presets, the planner's methods); the code that implements each name lives above (outer/, comm/,
+sim/) and takes its list of names from here. Codec names are the codecs' own grammar
+(codecs/grammar.py, which imports no torch), and fault specs the injector's (inject.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from frugaltrain import inject
+from frugaltrain.codecs.grammar import codec_error
 from frugaltrain.config.base import ConfigError, Section, require
 
 # The shared [outer] keys each strategy reads (besides outer.strategy); each also reads all of
@@ -60,40 +62,6 @@ _MARKOV_ITEM = re.compile(r"[a-z_]+=[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 INNER_OPTIMIZERS = ("adamw", "forge-adamw", "forge-sgd", "forge-lion")
 MODEL_FAMILIES = ("gpt", "llama", "qwen2", "gpt2", "hf")  # built in models/__init__.py
 TOPOLOGIES = ("complete", "ring", "pairs", "exponential", "none")  # built in comm/topology.py
-PARAM_CODECS = ("fp32", "bf16", "int8", "e3m0")  # dense, for anything (comm/compress.py)
-CODECS = (*PARAM_CODECS, "2bit", "1bit")  # dense; the last two keep a residual, so not params
-SPARSE_CODEC = "topk:FRACTION or topk:FRACTION+2bit, 0 < FRACTION <= 1"
-
-
-def parse_codec(name: str) -> tuple[float, bool]:
-    """(fraction, 2-bit values) of a sparse codec name `topk:F` or `topk:F+2bit`; ValueError
-    for anything else."""
-    body = name.removeprefix("topk:")
-    two_bit = body.endswith("+2bit")
-    try:
-        fraction = float(body.removesuffix("+2bit"))
-    except ValueError:
-        fraction = -1.0
-    if body == name or not 0 < fraction <= 1:
-        raise ValueError(f"{name!r} is not {SPARSE_CODEC}")
-    return fraction, two_bit
-
-
-def codec_error(name: str, *, params: bool = False) -> str | None:
-    """Why `name` is not a codec the config accepts (None: it is); `params`: for parameters,
-    which a codec that keeps a residual (2bit, 1bit, top-k) cannot carry."""
-    if name in (PARAM_CODECS if params else CODECS):
-        return None
-    if not params and name.startswith("topk:"):
-        try:
-            parse_codec(name)
-            return None
-        except ValueError:
-            pass
-    sparse = "" if params else f", or {SPARSE_CODEC}"
-    return f"choose one of {', '.join(PARAM_CODECS if params else CODECS)}{sparse}"
-
-
 FGD_PRESETS = {
     "GlobalM1": {"mix1": "complete", "mix2": "none", "mix2_params": "all"},
     "GlobalM1LocalM2": {"mix1": "complete", "mix2": "pairs", "mix2_params": "all"},

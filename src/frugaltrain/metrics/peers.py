@@ -4,7 +4,7 @@
     peer/bytes_sent, peer/bytes_received   [rank] model-counted bytes this worker moved
     peer/blocking_s, peer/compute_s        [rank] seconds blocked in communication, computing
     peer/feedback_norm                     [rank] norm of what a codec with error feedback has
-                                           not yet sent (comm/feedback.py; absent without)
+                                           not yet sent (codecs/feedback.py; absent without)
     comm/blocking_s/<op>                   the workers' mean blocking seconds in operation <op>,
                                            the name a strategy gives a collective (outer,
                                            grads, mix1, mix2, pull, fragmentK; `other` for a

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from frugaltrain.codecs.feedback import ErrorFeedback
 from frugaltrain.comm import Comm, Handle
-from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.topology import mixing_matrix
 from frugaltrain.models.parts import select
 from frugaltrain.outer.round import EarlyExchange, OuterRound, copy_all_, dense_or_fp32

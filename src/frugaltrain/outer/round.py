@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from frugaltrain.codecs.feedback import ErrorFeedback
+from frugaltrain.codecs.grammar import keeps_residual
 from frugaltrain.comm import Comm, Handle
-from frugaltrain.comm.compress import keeps_residual
-from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.outer.base import Diagnostics
 from frugaltrain.outer.sgd import OuterSGD
 
@@ -225,7 +225,7 @@ class OuterRound:
 
     def load_state_dict(self, state: dict, own: bool = True) -> None:
         """`own`: this worker's checkpoint. A peer's state (a restarted worker rejoining) gives
-        everything but the error feedback, which starts empty (comm/feedback.py says why)."""
+        everything but the error feedback, which starts empty (codecs/feedback.py says why)."""
         copy_all_(self.outer, state["outer"])
         self._early = None
         self.opt.load_state_dict(state["opt"])

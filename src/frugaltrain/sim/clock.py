@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from frugaltrain.comm.base import ring_allreduce_bytes
-from frugaltrain.comm.compress import chunk_numel, is_sparse, wire_bytes
+from frugaltrain.codecs.compress import chunk_numel, is_sparse, wire_bytes
+from frugaltrain.comm.accounting import ring_allreduce_bytes
 from frugaltrain.comm.topology import groups_matrix, mixing_matrix, peers
 from frugaltrain.config import Config, ConfigError
 from frugaltrain.models import build_model

@@ -306,8 +306,7 @@ class SimComm(Comm):
 
     def _count_resends(self, op, nbytes: int) -> None:
         """A retried collective sent (and received) its bytes once per failed attempt too."""
-        self.stats.bytes_sent += op.resends * nbytes
-        self.stats.bytes_received += op.resends * nbytes
+        self.stats.count(op.resends * nbytes, op.resends * nbytes)
 
     def _exchange(
         self, parts: list[torch.Tensor], send_to: list[int], recv_from: list[int], seq: int

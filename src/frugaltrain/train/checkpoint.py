@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from frugaltrain.comm.compress import keeps_residual
+from frugaltrain.codecs.grammar import keeps_residual
 from frugaltrain.config import Config, ConfigError, to_dict
 
 # Keys that must match for a checkpoint to be resumable; run.steps, checkpointing and display

@@ -13,13 +13,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from frugaltrain.comm import compress
+from frugaltrain.codecs import compress
+from frugaltrain.codecs.feedback import ErrorFeedback
 from frugaltrain.comm.base import Comm, Handle, finish_mix, flatten, unflatten_into
-from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.comm.ft.elastic_world import ElasticWorld, Identity, Options
 from frugaltrain.comm.ft.mix1 import Mix1
 from frugaltrain.comm.ft.operation_log import OpLog
-from frugaltrain.comm.guard import Guard, norm_of, verdict
+from frugaltrain.comm.guard import Guard
 from frugaltrain.comm.replica_shards import ReplicaShards
 
 
@@ -121,17 +121,9 @@ class ElasticComm(Comm):
         its peers' values."""
         if self.guard is None or len(flats) < 2:
             return rows, flats
-        if self.shard_link is None:
-            norms = [norm_of([f]) for f in flats]
-        else:  # the whole replicas' norms: the same verdict in every shard group
-            norms = self.shard_link.norms(flats)
-        v = verdict(np.array(norms), self.guard)
+        v = self.guard.judge(np.array(self.guard.norms(flats)), senders, own=0)
         if v.clean:
             return rows, flats
-        record = self._rejection_record(v)
-        record["workers"] = [senders[i] for i in v.rejected + v.clipped]
-        self.events.append(record)
-        self._rejected_self |= 0 in v.rejected
         keep = [i for i in range(len(flats)) if v.accepted[i]] or [0]
         scale = [float(v.scale[i]) for i in keep]
         return [rows[i] for i in keep], [flats[i] * c for i, c in zip(keep, scale, strict=True)]

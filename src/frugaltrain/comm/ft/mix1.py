@@ -20,8 +20,10 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from frugaltrain.comm import compress, topology
-from frugaltrain.comm.base import CommStats, Handle, Wire, encode_own, finish_mix
+from frugaltrain.codecs import compress
+from frugaltrain.comm import topology
+from frugaltrain.comm.accounting import CommStats
+from frugaltrain.comm.base import Handle, Wire, encode_own, finish_mix
 from frugaltrain.comm.ft import heartbeat
 from frugaltrain.comm.ft.elastic_world import short_error
 from frugaltrain.comm.ft.operation_log import OpLog
@@ -112,8 +114,7 @@ class Mix1:
                 return self.start(tensors, w, codec, wire, judge)
         self.seq += 1
         wire_bytes = compress.wire_bytes(flat.numel(), codec)
-        self.stats.bytes_sent += wire_bytes * len(send_to)
-        self.stats.bytes_received += wire_bytes * len(recv_from)
+        self.stats.count(wire_bytes * len(send_to), wire_bytes * len(recv_from))
         beats = {j: heartbeat.beat_of(world.store, members[j]) for j in recv_from}
         posted = time.monotonic()
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.cluster import keys
-from frugaltrain.comm.base import CommStats
+from frugaltrain.comm.accounting import CommStats
 from frugaltrain.comm.ft import heartbeat
 from frugaltrain.comm.ft.elastic_world import EVICTED_EXIT, ElasticWorld, StoreLost, short_error
 

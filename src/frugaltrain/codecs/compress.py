@@ -15,7 +15,7 @@ entries of every CHUNK consecutive values and sends their positions in the chunk
 bit-packed) and their values (fp32; `topk:F+2bit`: a sign bit and one bit choosing between two
 magnitudes per chunk, the means of the chunk's smaller and larger half). A worker's own
 contribution is what it sent, so every worker of an average holds the same sum; what it did not
-send goes to the operation's error feedback (comm/feedback.py).
+send goes to the operation's error feedback (codecs/feedback.py).
 
 `encode` returns the tensors that actually go on the wire (so their byte size is the honest
 count, scales and indices included); `decode` turns them back into fp32. Receivers accumulate
@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 
-from frugaltrain.config import CODECS, parse_codec  # the names the config accepts
+from frugaltrain.codecs.grammar import CODECS, is_sparse, parse_codec
 
 BLOCK = 256
 """Elements per scale block for int8 and e3m0 (one fp32 scale each)."""
@@ -39,20 +39,6 @@ CHUNK = 4096
 INDEX_BITS = 12
 
 _E3M0_LEVELS = 7  # non-zero magnitudes scale * 2^-e for e = 0..6; code 0 is exact zero
-
-
-FEEDBACK_CODECS = ("2bit", "1bit")
-"""Dense codecs that keep what they did not send as error feedback."""
-
-
-def is_sparse(codec: str) -> bool:
-    return codec.startswith("topk:")
-
-
-def keeps_residual(codec: str) -> bool:
-    """Whether `codec` sends only part of a payload and keeps the rest as error feedback
-    (comm/feedback.py): the sparse codecs, 2bit and 1bit."""
-    return is_sparse(codec) or codec in FEEDBACK_CODECS
 
 
 @lru_cache(maxsize=64)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from frugaltrain.comm import LocalComm, compress
+from frugaltrain.codecs import compress
+from frugaltrain.codecs.feedback import ErrorFeedback
+from frugaltrain.comm import LocalComm
 from frugaltrain.comm.base import encode_own
-from frugaltrain.comm.feedback import ErrorFeedback
 from frugaltrain.config import to_toml
 from frugaltrain.metrics.log import read_metrics
 from frugaltrain.models import build_model
