@@ -134,6 +134,13 @@ def _add_machine_commands(sub) -> None:
         default="",
         help="this machine's run directory, after the coordinator was away too long",
     )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long to wait for a coordinator that does not listen yet (default 300)",
+    )
 
 
 def _machines(args) -> int:
@@ -142,7 +149,9 @@ def _machines(args) -> int:
         from frugaltrain.train.agent import run_join
 
         try:
-            return run_join(args.address, args.token, args.workers, args.run_dir, args.resume)
+            return run_join(
+                args.address, args.token, args.workers, args.run_dir, args.resume, args.wait
+            )
         except (Refused, ConnectionError) as e:  # one line: why this machine is not in
             print(f"frugaltrain: error: {e}", file=sys.stderr)
             return 2 if isinstance(e, Refused) else 1

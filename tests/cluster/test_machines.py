@@ -118,7 +118,9 @@ def test_the_coordinator_lost_twice_the_run_goes_on_exactly(config_factory, tmp_
         trained = last_round(tmp_path / "a" / "metrics.jsonl")
         assert stopped == {"a": trained, "b": trained}, (stopped, trained)  # nothing lost
         a = run.join("a", resume=True)  # before the coordinator: it tries until it is back
-        wait_for(lambda: "no coordinator at" in run.output("a-again"), "a trying", procs=[a])
+        wait_for(
+            lambda: "waiting for the coordinator" in run.output("a-again"), "a trying", procs=[a]
+        )
         last = run.start_coordinator(resume=True, name="coordinator-3")
         up = lambda: run.log().count("slots; machines join") == 3  # noqa: E731
         wait_for(up, "the third coordinator up", procs=[last])

@@ -57,6 +57,7 @@ from frugaltrain.metrics.log import keep_until_step
 from frugaltrain.train import checkpoint, supervisor
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
+JOIN_WAIT_S = 300.0  # how long `join` waits for a coordinator not listening yet (--wait)
 
 
 def cpus() -> int:
@@ -371,13 +372,13 @@ class Agent:
         return lines, self.metrics_at + end
 
 
-def _join_when_back(agent: Agent, run_dir: Path) -> dict | None:
-    """`join --resume`: the coordinator may not be back yet, so try every PING_S for the run's
-    run.timeout_s before giving up with one line. Nothing runs on this machine meanwhile, so it
-    may wait longer than running workers hold on without the coordinator (coordinator_wait_s);
-    a coordinator restarted on a loaded host can take that long to listen."""
-    cfg = build_config(Config, read_toml(run_dir / "config.toml"))
-    wait_s, t0, said = cfg.run.timeout_s, time.monotonic(), -1
+def _join_waiting(agent: Agent, wait_s: float, hint: str) -> dict | None:
+    """Join, trying again every PING_S while nothing listens at the coordinator's address (not
+    up yet, or restarting), for at most `wait_s`, with a line now and then; then give up with
+    one line ending in `hint`. Machines started together with their coordinator (one script, a
+    scheduler) thus join in any order, as torchrun's nodes wait for their rendezvous. A refused
+    token or a bad answer ends it at once: waiting would not change them."""
+    t0, said = time.monotonic(), -1.0
     while True:
         try:
             return agent.join()
@@ -385,14 +386,12 @@ def _join_when_back(agent: Agent, run_dir: Path) -> dict | None:
             waited = time.monotonic() - t0
             if waited >= wait_s:
                 raise ConnectionError(
-                    f"no coordinator at {agent.address} within {wait_s:g} s (run.timeout_s): "
-                    f"{short(e)}; start `frugaltrain coordinator --resume RUN_DIR` there, then "
-                    "join again"
+                    f"no coordinator at {agent.address} within {wait_s:g} s: {short(e)}; {hint}"
                 ) from e
             if said < 0 or waited - said >= 10:  # a line now and then, not every try
                 print(
-                    f"[agent] no coordinator at {agent.address} yet; trying again "
-                    f"({waited:.0f} s of {wait_s:g})",
+                    f"[agent] waiting for the coordinator at {agent.address}, "
+                    f"{waited:.0f} s of {wait_s:g}",
                     flush=True,
                 )
                 said = waited
@@ -408,11 +407,18 @@ def _size(path: Path) -> int:
 
 
 def run_join(
-    address: str, token_path: str, workers: int, run_dir: str | None = None, resume: str = ""
+    address: str,
+    token_path: str,
+    workers: int,
+    run_dir: str | None = None,
+    resume: str = "",
+    wait_s: float = JOIN_WAIT_S,
 ) -> int:
     """`frugaltrain join`: every check (address, token, then the run's model and data on this
     machine) before any worker starts. `resume`: this machine's run directory of the same run
-    (after the coordinator was away past fault_tolerance.coordinator_wait_s)."""
+    (after the coordinator was away past fault_tolerance.coordinator_wait_s). `wait_s`: how long
+    to wait for a coordinator that does not listen yet (with `resume`, at least the run's
+    run.timeout_s)."""
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give the number of slots to fill, at least 1")
     if resume and not (Path(resume) / MACHINE_FILE).is_file():
@@ -420,8 +426,15 @@ def run_join(
             f"--resume {resume}: no {MACHINE_FILE} there; pass the run directory this machine "
             "had in the run (its --run-dir)"
         )
+    if not wait_s >= 0:
+        raise ConfigError(f"--wait {wait_s}: give the seconds to wait for the coordinator, >= 0")
     agent = Agent(address, read_token(token_path), workers, resume or run_dir, bool(resume))
-    msg = _join_when_back(agent, Path(resume)) if resume else agent.join()
+    if resume:  # a coordinator restarted on a loaded host may take run.timeout_s to listen
+        cfg = build_config(Config, read_toml(Path(resume) / "config.toml"))
+        hint = "start `frugaltrain coordinator --resume RUN_DIR` there, then join again"
+        msg = _join_waiting(agent, max(wait_s, cfg.run.timeout_s), hint)
+    else:
+        msg = _join_waiting(agent, wait_s, "start `frugaltrain coordinator` there, or pass --wait")
     code = 0 if msg is None else agent.run(msg)
     sys.stdout.flush()
     return code
