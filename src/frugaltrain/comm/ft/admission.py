@@ -6,8 +6,10 @@ members re-rendezvous; all finish their pending operations, the joiner is admitt
 lowest old member (the donor) sends it its whole worker state (outer x and momentum, round,
 step, inner AdamW and schedule, and the runtime's sequence counters) point to point. The state
 moves in the format of comm/state_format.py, which describes data only: reading it cannot run
-code, unlike a pickle, so a peer or the link cannot make the joiner run anything. The joiner
-checks what it loaded against the donor's digest and records a "rejoined" event.
+code, unlike a pickle, so a peer or the link cannot make the joiner run anything. A size
+announced above what the joiner's own model allows (`state_bound`) is refused before anything is
+allocated. The joiner checks what it loaded against the donor's digest and records a "rejoined"
+event; a mismatch refuses the state (`StateRefused`): the joiner exits and is restarted.
 
 With run.shards = S > 1 a replica is admitted in every shard group at the same round end: the
 first process at a round end in any group decides it for all (keys.admit in the run's store),
@@ -33,7 +35,22 @@ from frugaltrain.comm.rendezvous import Round
 from frugaltrain.comm.replica_shards import ReplicaShards
 
 SIZE_TAG, STATE_TAG = 1, 2  # point-to-point tags of the state transfer
-MAX_STATE_BYTES = 1 << 40  # a bound on the size a donor announces (1 TiB), before allocating it
+# What a worker state may hold, in fp32 copies of its model: the model, the inner optimizer's
+# two moments, the outer parameters and momentum, error feedback, and room to spare.
+MODEL_COPIES = 8
+STATE_SLACK_BYTES = 64 << 20  # RNG states, the sampler, counters and the format's headers
+
+
+class StateRefused(RuntimeError):
+    """A donor's state that this worker will not take: too large for its model, malformed, or
+    not what the donor's digest says. The worker exits and is restarted, asking again."""
+
+
+def state_bound(state: dict) -> int:
+    """The most bytes a donor's state may announce to a joiner whose own state is `state`:
+    MODEL_COPIES fp32 copies of its model, plus slack. Checked before anything is allocated."""
+    numel = sum(t.numel() for t in state["model"].values() if isinstance(t, torch.Tensor))
+    return MODEL_COPIES * 4 * numel + STATE_SLACK_BYTES
 
 
 def state_digest(state: dict) -> str:
@@ -152,10 +169,11 @@ class Admission:
         print(
             f"[worker {rank}] restarted (incarnation {incarnation}); asking to rejoin", flush=True
         )
+        bound = state_bound(state_fn())  # this worker's own model, before anything arrives
         self._ask_to_join()
         rnd = world.rendezvous("join")
         world.round = rnd.round
-        state = self._receive_state(rnd)
+        state = self._receive_state(rnd, bound)
         self.oplog.seq, self.mix1.seq, self.means.seq = state.pop("ft_seq")
         load(state)
         mine = state_digest(state_fn())  # what this worker now holds, after loading
@@ -174,6 +192,11 @@ class Admission:
             match=match,
         )
         world.store.set(keys.record(token), json.dumps(world.events[-1]))
+        if not match:  # a corrupt or forged state is not trained on
+            raise StateRefused(
+                f"worker {rank}: the state from donor {rnd.donor} hashes to {mine}, its digest "
+                f"says {theirs}; refused (restarted, it asks to rejoin again)"
+            )
         return True
 
     def _ask_to_join(self) -> None:
@@ -184,17 +207,25 @@ class Admission:
             if self.shard_link.index == 0:
                 self.world.root.set(keys.ready(self.world.rank), str(self.world.incarnation))
 
-    def _receive_state(self, rnd: Round) -> dict:
-        """The donor's state, read as state_format data (ValueError if it is not a worker state)."""
+    def _receive_state(self, rnd: Round, bound: int) -> dict:
+        """The donor's state, read as state_format data; StateRefused if it announces more than
+        `bound` bytes (before allocating them) or is not a worker state."""
         pos = rnd.members.index(rnd.donor)
         size = torch.zeros(1, dtype=torch.int64)
         self.world.pg.recv([size], pos, SIZE_TAG).wait()
-        if not 0 < int(size.item()) <= MAX_STATE_BYTES:
-            raise ValueError(f"donor {rnd.donor} announced a state of {int(size.item())} bytes")
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        n = int(size.item())
+        if not 0 < n <= bound:
+            raise StateRefused(
+                f"donor {rnd.donor} announced a state of {n} bytes; this worker's model allows "
+                f"1 to {bound}"
+            )
+        payload = torch.empty(n, dtype=torch.uint8)
         self.world.pg.recv([payload], pos, STATE_TAG).wait()
-        state = state_format.decode(payload.numpy())
+        try:
+            state = state_format.decode(payload.numpy())
+        except ValueError as e:
+            raise StateRefused(f"donor {rnd.donor} sent a malformed state: {e}") from None
         seq = state.get("ft_seq") if isinstance(state, dict) else None
         if not (isinstance(seq, tuple) and len(seq) == 3 and all(type(s) is int for s in seq)):
-            raise ValueError(f"donor {rnd.donor} sent no worker state with its counters")
+            raise StateRefused(f"donor {rnd.donor} sent no worker state with its counters")
         return state
