@@ -4,6 +4,8 @@ while the others go on, and gloo forms a group over it."""
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import struct
 import threading
@@ -15,10 +17,13 @@ import torch
 import torch.distributed as dist
 
 from frugaltrain.cluster.store import (
+    INT64_MAX,
+    INT64_MIN,
     JOURNAL_HEADER,
     MAGIC,
     MAX_KEY,
     PrefixView,
+    ProtocolError,
     Query,
     StoreServer,
 )
@@ -376,3 +381,95 @@ def test_a_version_1_journal_still_loads(tmp_path):
     assert again._data == {b"/a": b"1", b"/n": b"2"} and again._tags == {}
     again.close()
     assert path.read_bytes().startswith(JOURNAL_HEADER)  # rewritten as version 2
+
+
+# ---- ADD keeps int64s; the accept loop outlives a process short of files or threads
+def _add(key: bytes, delta: int) -> bytes:
+    return bytes([Query.ADD]) + _blob(key) + struct.pack("<q", delta)
+
+
+def test_an_add_past_int64_is_refused_and_the_key_kept(tmp_path):
+    """torch's store keeps int64s (its server closes a connection whose ADD finds a value past
+    one; its sum would overflow): such an ADD closes its connection, tagged or not, and the key
+    keeps its value, in the journal too. The store and its other connections go on."""
+    path = tmp_path / "store.journal"
+    server = StoreServer(lambda line: None, journal=path).listen()
+    c = _client(server.port)
+    assert c.add("n", INT64_MAX - 1) == INT64_MAX - 1
+    assert c.add("low", INT64_MIN + 1) == INT64_MIN + 1
+    c.set("huge", str(INT64_MAX + 1))
+    assert _ask(server.port, _add(b"/n", 2), 8) == b""
+    assert _ask(server.port, _add(b"/low", -2), 8) == b""
+    assert _ask(server.port, _add(b"/huge", -2), 8) == b""
+    assert _ask(server.port, _tag(1, Query.ADD, _blob(b"/n"), struct.pack("<q", 2)), 8) == b""
+    with pytest.raises(ProtocolError, match="past int64"):
+        server.add("n", 2)
+    assert server.dropped == [
+        f"ADD of 2 to {INT64_MAX - 1}: the total is past int64",
+        f"ADD of -2 to {INT64_MIN + 1}: the total is past int64",
+        "ADD on a key whose value is past int64",
+        f"ADD of 2 to {INT64_MAX - 1}: the total is past int64",
+    ]
+    assert c.get("n") == str(INT64_MAX - 1).encode() and c.get("low") == str(INT64_MIN + 1).encode()
+    assert c.add("n", 1) == INT64_MAX  # the first client's connection was never touched
+    assert _ask(server.port, _add(b"/low", -1), 8) == struct.pack("<q", INT64_MIN)
+    server.close()
+    again = StoreServer(journal=path)
+    assert again.get("n") == str(INT64_MAX).encode() and again.get("low") == str(INT64_MIN).encode()
+    assert again._tags == {}  # the refused tagged ADD was not applied, so not tagged either
+    again.close()
+
+
+class _ShortOfFiles:
+    """A listening socket whose first `failures` accept() calls fail as in a process out of
+    files."""
+
+    def __init__(self, sock: socket.socket, failures: int) -> None:
+        self.sock, self.failures = sock, failures
+
+    def accept(self) -> tuple[socket.socket, tuple]:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self.sock.accept()
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_the_accept_loop_outlives_a_process_short_of_files_or_threads(monkeypatch):
+    """accept() failing with EMFILE, then a thread that cannot start: each costs at most the
+    connection that met it, with one log line; the next client is served."""
+    create_server, lines = socket.create_server, []
+    monkeypatch.setattr(
+        socket, "create_server", lambda *a, **k: _ShortOfFiles(create_server(*a, **k), 3)
+    )
+    server = StoreServer(lines.append).listen()
+    monkeypatch.undo()
+    doomed = socket.socket()
+    doomed.bind(("127.0.0.1", 0))
+    host, port = doomed.getsockname()
+    start = threading.Thread.start
+
+    def start_or_fail(thread: threading.Thread) -> None:
+        if thread.name == f"{host}:{port}":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    try:
+        doomed.settimeout(30)
+        doomed.connect(("127.0.0.1", server.port))
+        assert doomed.recv(1) == b""  # accepted, then closed unread: no thread for it
+        c = _client(server.port)
+        c.set("a", "1")
+        assert c.get("a") == b"1"
+    finally:
+        doomed.close()
+        server.close()
+    assert lines == [
+        "store: cannot accept connections: Too many open files; retrying",
+        "store: accepting connections again",
+        f"store: closed the connection from {host}:{port}: cannot start its thread: "
+        "can't start new thread",
+    ]

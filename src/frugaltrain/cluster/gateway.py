@@ -20,12 +20,21 @@ away and are replayed once it is back, each mutation applied once (`StoreTunnel`
 
 Not protected: spliced store bytes carry no MAC and no encryption, so an attacker on the network
 path could hijack a live connection after its handshake. Run on a private network or WireGuard
-when the path is not trusted. Each connection costs a thread, for at most `handshake_timeout_s`
-until it authenticates.
+when the path is not trusted.
+
+What a flood of connections costs: each connection not yet authenticated holds a thread and a
+file until its handshake ends, refusal included, `handshake_timeout_s` after it began at the
+latest (an absolute deadline: a peer that trickles bytes cannot extend it). At most
+MAX_PENDING of them are in the handshake at once, MAX_PENDING_PER_ADDRESS from one address (an
+IPv6 /64 counts as one); a connection over either cap is closed as soon as it is accepted,
+unread. Running out of files or threads costs the connections that met it, never the port: the
+accept loop pauses and goes on (store.py's `accepted`). Peers that flood from many addresses can
+still keep a token holder out while they do: the caps bound what a flood holds, not who gets in.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import struct
@@ -44,12 +53,25 @@ from frugaltrain.cluster.store import (
     ProtocolError,
     Query,
     Reader,
+    accepted,
     read_args,
     read_reply,
+    start_thread,
     tagged,
 )
 
 _CHUNK = 1 << 16
+# Connections in the handshake at once. Each holds a thread and a file for up to
+# handshake_timeout_s: 64 is half of a small open-files limit (128), the rest left to the store's
+# connections and the run's files, while an honest handshake lasts a round trip and a half, so
+# even many machines starting together have few in flight.
+MAX_PENDING = 64
+# ... and from one address: a joining machine opens one connection per local store client (its
+# agent's, and a few per worker), all at once when its workers start. A connection over a cap
+# sees EOF before the challenge, which its handshake reports as "not a coordinator".
+MAX_PENDING_PER_ADDRESS = 16
+DRAIN_S = 1.0  # after a refusal, the longest we read what the peer sent (within the deadline)
+_TURNED_AWAY_LOG_S = 10.0  # one log line per this long, at most, about connections over a cap
 
 
 def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
@@ -83,18 +105,82 @@ def splice(a: socket.socket, b: socket.socket) -> None:
     b.close()
 
 
-def _close_refused(sock: socket.socket) -> None:
-    """Close after a refusal without a reset: drain what the peer already sent (bounded), so
-    its REFUSED line is not lost to an RST."""
+def _close_refused(sock: socket.socket, deadline: float) -> None:
+    """Close after a refusal without a reset: read what the peer sent until it ends its side or
+    `deadline` (time.monotonic()) passes, so that its REFUSED line is not lost to an RST. The
+    deadline is absolute: with a timeout per read, a peer that trickles a byte at a time could
+    hold the thread for as many reads as we allow."""
     _shutdown(sock, socket.SHUT_WR)
     try:
-        sock.settimeout(1.0)
-        for _ in range(16):
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
             if not sock.recv(4096):
                 break
     except OSError:
         pass
     sock.close()
+
+
+def _source(host: str) -> str:
+    """What the per-address cap counts a connection against: its IPv4 address (an IPv4-mapped
+    IPv6 one included), or its IPv6 /64, since one machine may hold a whole /64."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class _Pending:
+    """The connections still in the handshake, counted overall and per source (`_source`), and
+    those turned away for being over MAX_PENDING or MAX_PENDING_PER_ADDRESS. Without a cap, idle
+    connections would hold a thread and a file each until the process runs out of one."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+        self.total = 0
+        self.turned_away = 0
+        self._by_source: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._logged_at = -_TURNED_AWAY_LOG_S
+
+    def admit(self, host: str, peer: str) -> bool:
+        """Count a new connection from `host` in, or turn it away (logged at most once per
+        _TURNED_AWAY_LOG_S: a flood must not flood the log too)."""
+        source = _source(host)
+        with self._lock:
+            n = self._by_source.get(source, 0)
+            if self.total < MAX_PENDING and n < MAX_PENDING_PER_ADDRESS:
+                self._by_source[source] = n + 1
+                self.total += 1
+                return True
+            self.turned_away += 1
+            now = time.monotonic()
+            say = now - self._logged_at >= _TURNED_AWAY_LOG_S
+            if say:
+                self._logged_at = now
+            total, turned_away = self.total, self.turned_away
+        if say:
+            self.log(
+                f"turned away {peer}: {total} connections in the handshake, {n} from {source} "
+                f"(at most {MAX_PENDING}, {MAX_PENDING_PER_ADDRESS} per address); "
+                f"{turned_away} turned away so far"
+            )
+        return False
+
+    def release(self, host: str) -> None:
+        """A connection counted in by `admit` has left the handshake."""
+        source = _source(host)
+        with self._lock:
+            self.total -= 1
+            if self._by_source[source] == 1:
+                del self._by_source[source]
+            else:
+                self._by_source[source] -= 1
 
 
 class _Sockets:
@@ -141,43 +227,52 @@ def _listen(bind: str, port: int) -> socket.socket:
     return sock
 
 
-def _accept_loop(listener: socket.socket, sockets: _Sockets, handle: Callable) -> None:
-    while not sockets.closed:
-        try:
-            conn, addr = listener.accept()
-        except TimeoutError:
-            continue
-        except OSError:
-            break  # the listener was closed
-        if not sockets.add(conn):
-            conn.close()
-            break
-        peer = f"{addr[0]}:{addr[1]}"
-        t = threading.Thread(target=handle, args=(conn, peer), daemon=True, name=peer)
-        sockets.threads = [x for x in sockets.threads if x.is_alive()] + [t]
-        t.start()
-
-
 class _Server:
-    """A listening socket, its accept thread and the connections it handed to `handle`."""
+    """A listening socket, its accept thread and the connections it handed to `handle`; with
+    `_pending` (the Gateway), the connections in the handshake are capped."""
 
-    def __init__(self) -> None:
+    log: Callable[[str], None]
+
+    def __init__(self, pending: _Pending | None = None) -> None:
         self._sockets = _Sockets()
+        self._pending = pending
+        self._name = ""  # in log lines: the gateway, or the store tunnel
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
     def _serve_on(self, bind: str, port: int, handle: Callable, name: str) -> int:
         """Listen at (bind, port), port 0: a free one; returns the port."""
         self._listener = _listen(bind, port)
+        self._name = name
         port = self._listener.getsockname()[1]
         self._thread = threading.Thread(
-            target=_accept_loop,
-            args=(self._listener, self._sockets, handle),
-            daemon=True,
-            name=f"{name}:{port}",
+            target=self._accept_loop, args=(handle,), daemon=True, name=f"{name}:{port}"
         )
         self._thread.start()
         return port
+
+    def _accept_loop(self, handle: Callable) -> None:
+        """Hand each connection to `handle` on a thread of its own until close(); running out
+        of files or threads does not end it (store.py's `accepted` and `start_thread`)."""
+        assert self._listener is not None
+        for conn, addr in accepted(self._listener, lambda: self._sockets.closed, self._say):
+            peer = f"{addr[0]}:{addr[1]}"
+            if self._pending is not None and not self._pending.admit(addr[0], peer):
+                conn.close()  # over a cap: at once, unread
+                continue
+            t = None
+            if self._sockets.add(conn):  # else closing
+                t = start_thread(conn, handle, (conn, peer), peer, self._say)
+            if t is not None:
+                self._sockets.threads = [x for x in self._sockets.threads if x.is_alive()] + [t]
+                continue
+            conn.close()  # closing, or no thread for it
+            self._sockets.discard(conn)
+            if self._pending is not None:
+                self._pending.release(addr[0])
+
+    def _say(self, line: str) -> None:
+        self.log(f"{self._name}: {line}")
 
     def close(self) -> None:
         """Stop accepting, and end every open connection (and splice)."""
@@ -209,20 +304,41 @@ class Gateway(_Server):
         self.handshake_timeout_s = handshake_timeout_s
         self.refused: list[tuple[str, str]] = []  # (peer, reason), in order
         self._token = token
-        super().__init__()
+        self._gate = _Pending(log)
+        super().__init__(self._gate)
 
     def start(self) -> Gateway:
         self.port = self._serve_on(self.bind, self.port, self._handle, "gateway")
         return self
 
-    def _handle(self, conn: socket.socket, peer: str) -> None:
+    @property
+    def pending(self) -> int:
+        """Connections in the handshake now (accepted, neither authenticated nor closed)."""
+        return self._gate.total
+
+    @property
+    def turned_away(self) -> int:
+        """Connections closed unread for being over MAX_PENDING or MAX_PENDING_PER_ADDRESS."""
+        return self._gate.turned_away
+
+    def _authenticate(self, conn: socket.socket, peer: str) -> bytes | None:
+        """The session key, or None with the peer refused and its connection closed, all by
+        `handshake_timeout_s` after it started; it counts as pending until then."""
+        deadline = time.monotonic() + self.handshake_timeout_s
         try:
-            key = server_handshake(conn, self._token, self.handshake_timeout_s)
+            return server_handshake(conn, self._token, self.handshake_timeout_s)
         except Refused as e:
             self.refused.append((peer, str(e)))
             self.log(f"refused {peer}: {e}")
-            _close_refused(conn)
+            _close_refused(conn, min(deadline, time.monotonic() + DRAIN_S))
             self._sockets.discard(conn)
+            return None
+        finally:
+            self._gate.release(peer.rsplit(":", 1)[0])
+
+    def _handle(self, conn: socket.socket, peer: str) -> None:
+        key = self._authenticate(conn, peer)
+        if key is None:
             return
         channel = Channel(conn, key, client=False, peer=peer)
         try:

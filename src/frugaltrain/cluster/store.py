@@ -20,7 +20,10 @@ protocol outside its C++ core, hence one written here. The protocol, as the clie
                 clients never do, and are served as before).
 
 The same limits as torch's own server: keys up to 8 KiB, values up to 8 MiB, 128 Ki keys per
-query; a connection that breaks them or sends an unknown query is closed, the store stays up.
+query; a connection that breaks them or sends an unknown query is closed, the store stays up. An
+`ADD` keeps int64 values, as torch's does: one on a key that does not hold an int64 (torch's
+server closes that connection) or whose total would pass int64 (torch's would overflow) closes
+the connection, and the key keeps its value.
 Queues, `LIST_KEYS` and `BARRIER` are not served: nothing in frugaltrain uses them. Every reply
 is sent under the store's one lock, so replies keep their order; a client that stops reading is
 dropped after SEND_TIMEOUT_S instead of holding the store.
@@ -65,10 +68,12 @@ with those calls.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -80,6 +85,7 @@ MAX_KEY = 8 * 1024
 MAX_VALUE = 8 * 1024 * 1024
 MAX_KEYS = 128 * 1024
 SEND_TIMEOUT_S = 10
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what torch's store keeps for ADD
 
 
 class Query(enum.IntEnum):
@@ -232,6 +238,70 @@ def read_reply(r: Reader, q: int, n_keys: int) -> bytes:
     if q == Query.PING:
         return r.read(4)
     return r.read(1)  # CHECK, WAIT, CANCEL_WAIT
+
+
+# ---- accepting connections (the gateway's ports use this too)
+# accept() failing with one of these says that the one pending connection it took failed (Linux
+# hands a pending connection's network error to accept(), see accept(2)): the next one is taken
+# at once. Any other error pauses the loop (`accepted`).
+_CONNECTION_FAILED = frozenset(
+    {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENETUNREACH}
+    | {errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENOPROTOOPT, errno.EOPNOTSUPP}
+)
+ACCEPT_BACKOFF_MIN_S = 0.05  # the first pause after a failed accept(), doubled while it fails
+ACCEPT_BACKOFF_MAX_S = 1.0  # and the longest: a port comes back within a second of its files
+
+
+def accepted(
+    listener: socket.socket, closing: Callable[[], bool], log: Callable[[str], None]
+) -> Iterator[tuple[socket.socket, tuple]]:
+    """Each (connection, address) `listener` accepts, until `closing()` is true.
+
+    A loop that ends on accept()'s first error lets one flood shut a port for good: with the
+    process out of files, every accept() fails with EMFILE until something is closed. So no error
+    ends this one while not closing. After one that says the process or the kernel is short of
+    something for now (EMFILE, ENFILE, ENOBUFS, ENOMEM; or an error not known) it pauses,
+    ACCEPT_BACKOFF_MIN_S doubling up to ACCEPT_BACKOFF_MAX_S while accept() keeps failing (the
+    backlog keeps the connections that wait), and logs one line per streak; after one about a
+    single connection (_CONNECTION_FAILED) it takes the next at once.
+    A listener with a timeout wakes up to check `closing()`; without one, whoever closes sets
+    `closing()` first, then shuts the listener down, which ends a blocked accept()."""
+    pause = 0.0
+    while not closing():
+        try:
+            conn, addr = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError as e:
+            if closing() or listener.fileno() < 0:
+                return
+            if e.errno in _CONNECTION_FAILED:
+                continue
+            if not pause:
+                log(f"cannot accept connections: {e.strerror or e}; retrying")
+            pause = min(2 * pause, ACCEPT_BACKOFF_MAX_S) if pause else ACCEPT_BACKOFF_MIN_S
+            time.sleep(pause)
+            continue
+        if pause:
+            log("accepting connections again")
+            pause = 0.0
+        yield conn, addr
+
+
+def start_thread(
+    conn: socket.socket, target: Callable, args: tuple, peer: str, log: Callable[[str], None]
+) -> threading.Thread | None:
+    """A daemon thread named `peer` running target(*args) for the connection `conn`, started;
+    None, with `conn` closed and one line logged, when no thread can be started now (out of
+    threads or memory: that connection is lost, the port goes on)."""
+    t = threading.Thread(target=target, args=args, daemon=True, name=peer)
+    try:
+        t.start()
+    except RuntimeError as e:  # "can't start new thread"
+        log(f"closed the connection from {peer}: cannot start its thread: {e}")
+        conn.close()
+        return None
+    return t
 
 
 class _Client(Reader):
@@ -412,6 +482,7 @@ class StoreServer:
         self._clients: set[_Client] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._closing = False
         self.port = 0
         self.dropped: list[str] = []  # why each broken connection was closed, in order
         self._journal: Journal | None = None
@@ -445,13 +516,15 @@ class StoreServer:
         return self
 
     def _accept(self) -> None:
+        """Start a thread serving each connection until close(); neither running out of files
+        nor of threads ends it (`accepted`, `start_thread`)."""
         assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+        for conn, addr in accepted(self._listener, lambda: self._closing, self._say):
+            start_thread(conn, self.serve, (conn,), f"{addr[0]}:{addr[1]}", self._say)
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(f"store: {line}")
 
     def serve(self, sock: socket.socket) -> None:
         """Answer one client's queries until it leaves or breaks the protocol."""
@@ -487,6 +560,7 @@ class StoreServer:
 
     def close(self) -> None:
         """Stop listening, end every client's connection, and close the journal."""
+        self._closing = True  # before the shutdown that wakes the accept thread
         if self._listener is not None:
             try:  # wakes the accept thread: a closed socket alone would accept once more
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -626,10 +700,19 @@ class StoreServer:
         return self._data[key]
 
     def _add(self, key: bytes, delta: int) -> int:
+        """torch's rule: the key's value read as an int64 (0 if missing) plus `delta`, kept as
+        its decimal digits. A value that is not an int64 (torch's server drops the connection)
+        or a total past int64 (torch's reply could not hold it) is a ProtocolError, and the key
+        keeps its value: nothing is written."""
         try:
-            total = int(self._data.get(key, b"0")) + delta
+            held = int(self._data.get(key, b"0"))
         except ValueError:
             raise ProtocolError("ADD on a key that does not hold an integer") from None
+        if not INT64_MIN <= held <= INT64_MAX:
+            raise ProtocolError("ADD on a key whose value is past int64")
+        total = held + delta
+        if not INT64_MIN <= total <= INT64_MAX:
+            raise ProtocolError(f"ADD of {delta} to {held}: the total is past int64")
         self._write(key, str(total).encode())
         return total
 
