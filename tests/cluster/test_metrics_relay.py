@@ -128,3 +128,63 @@ def test_a_round_record_the_source_writes_late_is_its_own(tmp_path):
     recs = read_metrics(path)
     assert [(r["round"], r["by"]) for r in recs if r["kind"] == "round"] == [(1, "A"), (2, "A")]
     assert [r["by"] for r in recs] == ["A"] * len(late)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kind": "step", "step": "9"},
+        {"kind": "step", "step": 2.5},
+        {"kind": "step", "step": -1},
+        {"kind": "step", "step": 2**64},
+        {"kind": None, "step": 9},
+        {"kind": "step", "step": [9]},
+        [9],
+        "9",
+    ],
+)
+def test_a_wrong_typed_record_is_refused_whole_and_the_others_go_on(tmp_path, bad):
+    """Found unchecked: a record of the wrong type from a machine that is not the source was
+    kept in its reserve, and every later call, from any machine, failed comparing it. Now the
+    call raises, naming the machine, and keeps none of its lines."""
+    path = tmp_path / "metrics.jsonl"
+    relay = MetricsRelay(path)
+    relay.add("A", lines("A", 1, 4), ["A", "B"])
+    with pytest.raises(ValueError, match="machine B: metrics: "):
+        relay.add("B", [*lines("B", 1, 6), json.dumps(bad)], ["A", "B"])
+    assert relay.reserve.get("B", []) == []
+    relay.add("A", lines("A", 5, 8), ["A", "B"])
+    relay.add("B", lines("B", 1, 12), ["B"])  # A lost: B goes on from its reserve
+    steps, rounds, _ = written(path)
+    assert steps == [(s, "A") for s in range(1, 9)] + [(s, "B") for s in range(9, 13)]
+    assert rounds == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"kind": "membership", "x": "\u2028"}',  # a line break to the log's reader
+        '{"kind": "membership", "x": "\ud800"}',  # cannot be written as UTF-8
+        '{"kind": "membership", "x": ' + "[" * 20 + "]" * 20 + "}",
+        "[" * 100_000,
+    ],
+)
+def test_a_line_the_log_could_not_hold_is_refused(tmp_path, line):
+    relay = MetricsRelay(tmp_path / "metrics.jsonl")
+    with pytest.raises(ValueError, match="machine A: metrics: "):
+        relay.add("A", [line], ["A"])
+    relay.add("A", lines("A", 1, 4), ["A"])
+    assert [s for s, _ in written(tmp_path / "metrics.jsonl")[0]] == [1, 2, 3, 4]
+
+
+def test_a_log_torn_by_a_crash_is_read_past(tmp_path):
+    """A coordinator killed mid-write leaves a torn last line; the one resumed on the file
+    reads past it instead of failing every ping."""
+    path = tmp_path / "metrics.jsonl"
+    MetricsRelay(path).add("A", lines("A", 1, 4), ["A"])
+    with open(path, "a") as f:
+        f.write('{"kind": "step", "st\n')
+    relay = MetricsRelay(path)
+    relay.add("A", lines("A", 3, 8), ["A"])
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+    assert [r["step"] for r in recs if r["kind"] == "step"] == list(range(1, 9))

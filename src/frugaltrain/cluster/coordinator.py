@@ -28,21 +28,32 @@ come back within LEASE_S loses its slots, as any silent machine. If no machine c
 within LIVE_GRACE_S (the coordinator was away past fault_tolerance.coordinator_wait_s, and every
 machine stopped with its checkpoints), the store is cleared and the machines go on from the
 newest round every one of them holds a checkpoint of.
+
+A member may send anything, and write anything into the store through its tunnel; it must not
+be able to crash or wedge the coordinator or another machine. So every field of a control frame
+is checked for type and range before use (`_join_request`, `_ping`): a machine that sends a bad
+one, or a frame with a bad MAC, is logged with its name and address and dropped, its slots
+freed as a lost machine's are. A store value the coordinator reads is checked too; any member
+may have written it, so a bad one is logged once, by its key, and ignored.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import reprlib
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from frugaltrain.cluster import keys
-from frugaltrain.cluster.auth import Channel, read_token
+from frugaltrain.cluster.auth import Channel, Refused, read_token
 from frugaltrain.cluster.gateway import Gateway
 from frugaltrain.cluster.metrics_relay import MetricsRelay
 from frugaltrain.cluster.run_dir import new_run_dir
@@ -52,7 +63,7 @@ from frugaltrain.cluster.run_store import (
     group0_store,
     refresh_rendezvous,
 )
-from frugaltrain.cluster.store import PrefixView, StoreServer
+from frugaltrain.cluster.store import PrefixView, Store, StoreServer
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 
 # A machine silent this long loses its slots. Survivors do not wait for it: the runtime finds a
@@ -67,6 +78,104 @@ PING_S = 1.0  # how often a machine's agent says it is alive
 LIVE_GRACE_S = 5.0
 COORDINATOR_STATE = "coordinator.json"
 STORE_JOURNAL = "store.journal"  # the store's writes, which --resume brings back
+MAX_INT = 2**63 - 1  # the largest round or step a machine may report (torch's int64)
+_MACHINE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")  # agents pick 12 hex digits
+T = TypeVar("T")
+
+
+def _show(value: object) -> str:
+    """A member's value in a log line or an error: short, whatever it is."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:  # an int too long to print
+        return f"<{type(value).__name__} too long to show>"
+
+
+def _printable(text: str, limit: int = 64) -> str:
+    """A member's name for the log: one line of printable characters."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+@dataclass
+class _JoinRequest:
+    """A join request's fields, checked (`_join_request`)."""
+
+    machine: str | None  # None: a new machine, which gets an id here
+    name: str
+    live: bool
+    workers: int
+    rounds: dict[int, int]  # its complete checkpoints: round -> step
+
+
+def _join_request(request: dict) -> _JoinRequest:
+    """The fields of a join request that the coordinator reads, each checked for type and
+    range; ValueError naming the field and its value otherwise."""
+    if request.get("want") != "join":  # the gateway took {"want": "store"}
+        raise ValueError(f"want: {_show(request.get('want'))} is not 'join'")
+    mid = request.get("machine")
+    if mid is not None and not (type(mid) is str and _MACHINE_ID.fullmatch(mid)):
+        raise ValueError(f"machine: {_show(mid)} is not 1 to 64 letters, digits, - or _")
+    name = request.get("name")
+    if name is not None and type(name) is not str:
+        raise ValueError(f"name: {_show(name)} is not a string")
+    live = request.get("live", False)
+    if type(live) is not bool:
+        raise ValueError(f"live: {_show(live)} is not true or false")
+    workers = request.get("workers", 1)
+    if type(workers) is not int or not 1 <= workers <= MAX_INT:
+        raise ValueError(f"workers: {_show(workers)} is not a whole number from 1 to {MAX_INT}")
+    rounds = request.get("rounds", [])
+    if type(rounds) is not list:
+        raise ValueError(f"rounds: {_show(rounds)} is not a list")
+    for pair in rounds:  # JSON has no tuples: [round, step]
+        if not (
+            type(pair) is list
+            and len(pair) == 2
+            and all(type(x) is int and 0 <= x <= MAX_INT for x in pair)
+        ):
+            raise ValueError(f"rounds: {_show(pair)} is not [round, step] in [0, {MAX_INT}]")
+    return _JoinRequest(mid, _printable(name or ""), live, workers, dict(rounds))
+
+
+@dataclass
+class _Ping:
+    """A ping's fields, checked (`_ping`)."""
+
+    metrics: list  # its lines, checked by MetricsRelay.add
+    finished: list[int]
+    leaving: bool
+
+
+def _ping(msg: dict, own: list[int]) -> _Ping:
+    """The fields of a machine's ping, each checked for type and range (`own`: the slots the
+    machine holds, the only ones it may say finished); ValueError naming the field otherwise."""
+    metrics = msg.get("metrics", [])
+    if type(metrics) is not list:
+        raise ValueError(f"metrics: {_show(metrics)} is not a list")
+    finished = msg.get("finished")
+    finished = [] if finished is None else finished
+    if type(finished) is not list or any(type(s) is not int or s not in own for s in finished):
+        raise ValueError(f"finished: {_show(finished)} is not a list of its slots {own}")
+    leaving = msg.get("leaving", False)
+    if type(leaving) is not bool:
+        raise ValueError(f"leaving: {_show(leaving)} is not true or false")
+    return _Ping(metrics, finished, leaving)
+
+
+def _raise_open_files_limit() -> str:
+    """Raise this process's soft limit on open files to its hard limit: every machine's channel,
+    every store client through the gateway (twice: its side and the store's) and every
+    connection waiting for its handshake holds a descriptor. Returns the line to log."""
+    try:
+        import resource  # Unix only
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError) as e:
+        return f"open files: could not raise the limit ({e}); it stays as it was"
+    return f"open files: up to {'unlimited' if soft == resource.RLIM_INFINITY else soft}"
 
 
 @dataclass
@@ -111,6 +220,11 @@ class Slots:
         with self.lock:
             self.finished.update(slots)
 
+    def of(self, machine: str) -> list[int]:
+        """The slots `machine` holds."""
+        with self.lock:
+            return [s for s, o in enumerate(self.owner) if o == machine]
+
     def holders(self) -> list[str]:
         """The machines holding slots, the one with the lowest slot first."""
         with self.lock:
@@ -148,8 +262,11 @@ class Coordinator:
         self.done = threading.Event()
         self.connected = 0  # machines whose control channel is open
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
+        self.ignored: set[str] = set()  # store keys whose bad values were logged (once each)
+        self.unlogged = 0  # lines that could not be written to coordinator.log
 
     def start(self) -> Coordinator:
+        self.say(_raise_open_files_limit())
         journal = self.run_dir / STORE_JOURNAL
         try:
             self.store = StoreServer(log=self.say, journal=journal)
@@ -159,7 +276,7 @@ class Coordinator:
                 "their checkpoints"
             ) from None
         if self.mode is None:  # nobody's keep-alive reached the store while it was away
-            refresh_rendezvous(self.store, self.cfg)
+            self._try(keys.RENDEZVOUS, lambda: refresh_rendezvous(self.store, self.cfg))
         self.store.listen("127.0.0.1", 0)
         addr = ("127.0.0.1", self.store.port)
         self.gateway = Gateway(self.bind, self.port, self.token, addr, self.serve, self.say)
@@ -169,32 +286,49 @@ class Coordinator:
         return self
 
     def say(self, line: str) -> None:
-        """A line of the coordinator's log: printed and kept in RUN_DIR/coordinator.log."""
+        """A line of the coordinator's log: printed and kept in RUN_DIR/coordinator.log. It
+        never raises: its callers hold sockets (the gateway's refusal among them) that must
+        be closed after it even when the log cannot be written (a full disk, no descriptor
+        left); such a line is counted in `unlogged` and told on stderr."""
         stamp = time.strftime("%H:%M:%S")
         with self.log_lock:
-            print(f"[coordinator] {line}", flush=True)
-            with open(self.run_dir / "coordinator.log", "a") as f:
-                f.write(f"{stamp} {line}\n")
+            try:
+                print(f"[coordinator] {line}", flush=True)
+            except (OSError, ValueError):  # stdout broken or closed: the file still has it
+                pass
+            try:
+                with open(self.run_dir / "coordinator.log", "a") as f:
+                    f.write(f"{stamp} {line}\n")
+            except OSError as e:
+                self.unlogged += 1
+                try:
+                    print(f"[coordinator] coordinator.log: {e}", file=sys.stderr, flush=True)
+                except (OSError, ValueError):
+                    pass
 
     # ---- one machine's control channel
     def serve(self, request: dict, channel: Channel) -> None:
-        if request.get("want") != "join":
-            channel.send({"error": f"unknown request {request.get('want')!r}"})
+        """One authenticated connection's control channel (the gateway's `serve`): a machine
+        joins, gets its slots, then pings until it leaves."""
+        try:
+            ask = _join_request(request)
+        except ValueError as e:
+            self._refuse(request, channel, e)
             return
-        machine = self._machine(request, channel.peer)
-        if not self._await_mode(bool(request.get("live")), channel):
+        machine = self._machine(ask, channel.peer)
+        if not self._await_mode(ask.live, channel):
             return
         held = machine.id in self.slots.holders()  # False: its slots were freed meanwhile
-        slots = self._slots_for(machine, int(request.get("workers", 1)), channel)
+        slots = self._slots_for(machine, ask.workers, channel)
         if not slots:
             return
         machine.slots = slots
         self._save_state()
         reply = {"config": to_toml(self.cfg), "slots": slots, "session": self.session}
-        if request.get("live") and not held:  # the others went on without its workers
+        if ask.live and not held:  # the others went on without its workers
             reply["fresh"] = True
         if self.resuming and machine.id not in self.resumed:
-            ok, reply["resume"] = self._resume_round(machine, request, channel)
+            ok, reply["resume"] = self._resume_round(machine, ask.rounds, channel)
             if not ok:
                 return
             if reply["resume"] is None:  # back after the others went on: joins as new
@@ -202,7 +336,7 @@ class Coordinator:
             else:
                 self.resumed.add(machine.id)
         where = f", from round {reply['resume']}" if "resume" in reply else ""
-        if request.get("live") and "resume" not in reply:
+        if ask.live and "resume" not in reply:
             where = ", its workers " + ("to start again" if not held else "still running")
         self.say(f"machine {machine.name} ({machine.peer}) joined: slots {slots}{where}")
         channel.send(reply)
@@ -213,6 +347,20 @@ class Coordinator:
         finally:
             with self.log_lock:
                 self.connected -= 1
+
+    def _refuse(self, request: dict, channel: Channel, error: ValueError) -> None:
+        """A request with a bad field: logged with its sender, who is told why; a machine known
+        by its id is dropped (its slots freed, as a lost machine's)."""
+        mid = request.get("machine")
+        known = self.machines.get(mid) if type(mid) is str else None
+        who = f"machine {known.name} ({channel.peer})" if known else channel.peer
+        self.say(f"refused a request from {who}: {error}")
+        if known is not None:
+            self._release(known.id, f"machine {known.name} dropped")
+        try:
+            channel.send({"error": f"bad request: {error}"})
+        except OSError:
+            pass  # it is gone: nothing more to tell it
 
     def _await_mode(self, live: bool, channel: Channel) -> bool:
         """After --resume: the first machine back with live workers makes the resume live;
@@ -247,15 +395,15 @@ class Coordinator:
             self._release(gone, f"machine id {gone} not back within {LEASE_S:g} s")
 
     def _resume_round(
-        self, machine: Machine, request: dict, channel: Channel
+        self, machine: Machine, rounds: dict[int, int], channel: Channel
     ) -> tuple[bool, int | None]:
         """(True, the round this machine goes on from): the newest round every slot's machine
         that is back holds a checkpoint of, decided once all are back, or once
         fault_tolerance.resume_wait_s has passed and those back hold run.min_workers slots
         (the others' slots are freed). (True, None): it came back after that, and joins as a
         new machine, from a live peer. (False, None): it left meanwhile, or there is no such
-        round (it is told why)."""
-        self.reports[machine.id] = {int(r): int(s) for r, s in request.get("rounds", [])}
+        round (it is told why). `rounds`: its checkpoints, round -> step."""
+        self.reports[machine.id] = rounds
         while True:
             with self.resume_lock:
                 if self.resume_from is None:
@@ -296,13 +444,12 @@ class Coordinator:
         S = self.cfg.run.shards
         for shard in range(S):
             world = PrefixView(keys.namespace(shard, S), self.store) if S > 1 else self.store
-            for _ in range(slots):
-                keys.count_start(world, self.cfg.run.workers)
+            for _ in range(slots):  # a STARTED that holds no integer: ValueError, logged
+                self._try(keys.STARTED, lambda w=world: keys.count_start(w, self.cfg.run.workers))
 
-    def _machine(self, request: dict, peer: str) -> Machine:
-        mid = str(request.get("machine") or uuid.uuid4().hex[:12])
-        name = str(request.get("name") or peer)[:64]
-        self.machines[mid] = Machine(mid, name, peer)
+    def _machine(self, ask: _JoinRequest, peer: str) -> Machine:
+        mid = ask.machine or uuid.uuid4().hex[:12]
+        self.machines[mid] = Machine(mid, ask.name or peer, peer)
         return self.machines[mid]
 
     def _slots_for(self, machine: Machine, n: int, channel: Channel) -> list[int]:
@@ -320,31 +467,43 @@ class Coordinator:
         """Tell a waiting machine why and hear its ping (a silent one is dropped: False)."""
         channel.send({"wait": why})
         try:
-            channel.recv(timeout_s=LEASE_S)
-        except (ConnectionError, OSError, TimeoutError):
+            channel.recv(timeout_s=LEASE_S)  # what the ping holds is not read
+        except (OSError, Refused) as e:  # Refused: a bad MAC, or a frame that is not JSON
+            if isinstance(e, Refused):
+                self.say(f"dropped a waiting machine ({channel.peer}): {e}")
             return False
         time.sleep(PING_S)
         return True
 
     def _follow(self, machine: Machine, channel: Channel) -> None:
         """The machine's pings (with its metrics lines and finished slots) until it leaves; a
-        machine silent for LEASE_S, or whose connection drops, loses its unfinished slots."""
+        machine silent for LEASE_S, whose connection drops, or that sends a frame with a bad
+        MAC or a bad field loses its unfinished slots."""
         while True:
             try:
                 msg = channel.recv(timeout_s=LEASE_S)
-            except (ConnectionError, OSError, TimeoutError) as e:
-                if self.machines.get(machine.id) is not machine:
-                    return  # it has joined again on a new channel, which holds its slots now
-                why = "silent" if isinstance(e, TimeoutError) else "connection closed"
-                self._release(machine.id, f"machine {machine.name} lost ({why})")
+                beat = _ping(msg, self.slots.of(machine.id))
+                # Every line is checked before any is kept (ValueError).
+                self.metrics.add(machine.id, beat.metrics, self.slots.holders())
+                self.slots.finish(beat.finished)
+                channel.send({"ok": True, "done": self.done.is_set()})  # wait() keeps it
+            except (Refused, ValueError) as e:
+                self.say(f"machine {machine.name} ({machine.peer}) sent a bad frame: {e}")
+                self._drop(machine, f"machine {machine.name} dropped")
                 return
-            self.metrics.add(machine.id, msg.get("metrics", []), self.slots.holders())
-            if msg.get("finished"):
-                self.slots.finish(msg["finished"])
-            channel.send({"ok": True, "done": self.done.is_set()})  # wait() keeps it
-            if msg.get("leaving"):
+            except OSError as e:  # ConnectionError and TimeoutError among them
+                why = "silent" if isinstance(e, TimeoutError) else "connection closed"
+                self._drop(machine, f"machine {machine.name} lost ({why})")
+                return
+            if beat.leaving:
                 self.say(f"machine {machine.name} finished its slots {machine.slots}")
                 return
+
+    def _drop(self, machine: Machine, why: str) -> None:
+        """Free the slots of `machine`, whose channel ends; not if it has joined again on a new
+        channel, which holds its slots now."""
+        if self.machines.get(machine.id) is machine:
+            self._release(machine.id, why)
 
     def _release(self, machine: str, why: str) -> list[int]:
         """Free `machine`'s unfinished slots, and tell the rendezvous their processes are gone
@@ -356,14 +515,42 @@ class Coordinator:
         S = self.cfg.run.shards
         for slot in freed:
             for shard in range(S):
-                forget(self.store, self.cfg, slot * S + shard)
+                # forget logs a bad state itself; KeyError: a member deleted it meanwhile
+                self._try(
+                    keys.RENDEZVOUS, lambda r=slot * S + shard: forget(self.store, self.cfg, r)
+                )
         return freed
+
+    # ---- the store's values: any member may have written them
+    def _try(self, key: str, change: Callable[[], object]) -> None:
+        """Run `change`, which reads the store's `key`; a bad value there is logged and
+        ignored (nobody to drop: the store is shared)."""
+        try:
+            change()
+        except (ValueError, KeyError) as e:  # rendezvous_json.StateError is a ValueError
+            self._ignore(key, e)
+
+    def _read(self, store: Store, key: str, parse: Callable[[bytes], T]) -> T | None:
+        """`key`'s value, checked by `parse`; None when it is missing or bad (logged)."""
+        try:
+            return parse(store.get(key))
+        except KeyError:  # deleted since it was checked
+            return None
+        except ValueError as e:
+            self._ignore(key, e)
+            return None
+
+    def _ignore(self, key: str, error: Exception) -> None:
+        """Log a bad store value, once per key (the coordinator polls: not every half second)."""
+        if key not in self.ignored:
+            self.ignored.add(key)
+            self.say(f"ignored the store's {key}: {str(error)[:200]}")
 
     def _run_over(self) -> bool:
         """Whether training is over: the members of some worker's last epoch have all
         finished. Then the rendezvous closes (a process still waiting to join exits)."""
         if not self.done.is_set() and self._training_over():
-            close_rendezvous(self.store, self.cfg)
+            self._try(keys.RENDEZVOUS, lambda: close_rendezvous(self.store, self.cfg))
             self.done.set()
         return self.done.is_set()
 
@@ -371,10 +558,12 @@ class Coordinator:
         store = group0_store(self.store, self.cfg)
         if not store.check([keys.DONE]):
             return False
-        for r in range(self.cfg.run.workers):
+        W = self.cfg.run.workers
+        for r in range(W):
             if store.check([keys.final_members(r)]):
-                final = json.loads(store.get(keys.final_members(r)))
-                return all(store.check([keys.finished(m)]) for m in final)
+                final = self._read(store, keys.final_members(r), lambda v: keys.parse_members(v, W))
+                if final is not None:  # else another worker's may be well-formed
+                    return all(store.check([keys.finished(m)]) for m in final)
         return False
 
     def wait(self, poll_s: float = 0.5) -> None:

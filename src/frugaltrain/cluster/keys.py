@@ -18,6 +18,8 @@ Keys that name a worker take its fixed rank (with shards: its replica).
 
 from __future__ import annotations
 
+import json
+
 # ---- a world's store: the first-start barrier (each shard group has its own rendezvous)
 STARTED = "ft/started"  # the world's first starts counted in, then ALL_STARTED lets them on
 ALL_STARTED = "ft/all_started"
@@ -144,3 +146,20 @@ GROUP = "pg"  # prefix of the round's gloo group
 def who(position: int) -> str:
     """What the round's participant at `position` was doing (comm/rendezvous.py)."""
     return f"who/{position}"
+
+
+# ---- values read by the processes that watch a run (any member may have written them)
+def parse_members(raw: bytes, workers: int) -> list[int]:
+    """A `final_members` value: a JSON list of 1 to `workers` workers, each in [0, `workers`);
+    ValueError saying what it holds otherwise."""
+    try:
+        members = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"not JSON: {raw[:60]!r}") from None
+    if (
+        type(members) is not list
+        or not 1 <= len(members) <= workers
+        or any(type(m) is not int or not 0 <= m < workers for m in members)
+    ):
+        raise ValueError(f"not a list of 1 to {workers} workers in [0, {workers}): {raw[:60]!r}")
+    return members

@@ -14,6 +14,9 @@ reserve. A round record that comes late (worker 0 writes it once the workers' me
 possibly after the next round's steps) is not a gap. A record without a step (membership) that
 is already in the log is not written again.
 Every round is logged once, in order, whatever machines come and go.
+
+Every line is checked (`_parse_line`) before any is kept: a record of the wrong shape held in a
+reserve would break the comparisons of every later call, whichever machine made it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import threading
 from pathlib import Path
 
 from frugaltrain.metrics.log import keep_until_step
+
+MAX_STEP = 2**63 - 1  # torch's int64: no run counts steps past it
+MAX_DEPTH = 16  # nesting of a record's values; records are flat, and json recurses per level
 
 
 class MetricsRelay:
@@ -39,13 +45,20 @@ class MetricsRelay:
 
     def add(self, machine: str, lines: list[str], holders: list[str]) -> None:
         """`machine`'s new lines; `holders`: the machines holding slots, the lowest slot's
-        first. A line that is not one JSON record raises ValueError (the channel that sent it
-        ends). A record already written (a machine whose acknowledgement was lost sends it
-        again) is dropped."""
+        first. A line that is not one record (`_parse_line`) raises ValueError naming the
+        machine, and none of the call's lines is kept (the channel that sent them ends). A
+        record already written (a machine whose acknowledgement was lost sends it again) is
+        dropped."""
+        if type(lines) is not list:
+            raise ValueError(f"machine {machine}: metrics: a {type(lines).__name__}, not a list")
+        try:
+            parsed = [_parse_line(x) for x in lines]  # all checked before any is kept
+        except ValueError as e:
+            raise ValueError(f"machine {machine}: metrics: {e}") from None
         with self.lock:
             if self.newest is None:
                 self.newest, self.seen = _written(self.path)
-            self.reserve.setdefault(machine, []).extend((json.loads(x), x) for x in lines)
+            self.reserve.setdefault(machine, []).extend(parsed)
             if self.source not in holders:
                 self.source = holders[0] if holders else machine
             out: list[str] = []
@@ -104,6 +117,47 @@ class MetricsRelay:
             self.reserve[machine] = lines[last + 1 :]
 
 
+def _parse_line(line: object) -> tuple[dict, str]:
+    """One relayed line as (its record, the line), or ValueError saying what is wrong: it must
+    be a string of one line (the log is read back with splitlines) that can be written as
+    UTF-8, holding a JSON object nested at most MAX_DEPTH deep, whose "step", if it has one, is
+    an integer in [0, MAX_STEP] and whose "kind" is then a string."""
+    if type(line) is not str:
+        raise ValueError(f"a line is a {type(line).__name__}, not a string")
+    text = line.rstrip("\n")
+    if text.splitlines() != [text]:
+        raise ValueError(f"a line that is not one line: {text[:80]!r}")
+    try:
+        text.encode()  # a lone surrogate (sent escaped in the frame) cannot be written
+    except UnicodeEncodeError:
+        raise ValueError(f"a line that is not UTF-8: {text[:80]!r}") from None
+    try:
+        rec = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"a line that is not JSON ({str(e)[:80] or type(e).__name__})") from None
+    if type(rec) is not dict:
+        raise ValueError(f"a line that is not a JSON object: {text[:80]!r}")
+    if _depth(rec) > MAX_DEPTH:
+        raise ValueError(f"a record nested more than {MAX_DEPTH} deep")
+    step = rec.get("step")
+    if step is not None and (type(step) is not int or not 0 <= step <= MAX_STEP):
+        raise ValueError(f"a record whose step is not an integer in [0, {MAX_STEP}]: {text[:80]!r}")
+    if step is not None and type(rec.get("kind")) is not str:
+        raise ValueError(f"a record with a step and no string kind: {text[:80]!r}")
+    return rec, line
+
+
+def _depth(value: object) -> int:
+    """How deep lists and objects nest in a JSON value (without recursing: it may be deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(y, d + 1) for y in (x.values() if isinstance(x, dict) else x)]
+    return deepest
+
+
 def _identity(rec: dict) -> str:
     """A record without a step, as every machine writes it (the reason a change was found
     differs between the machines that found it)."""
@@ -116,7 +170,10 @@ def _written(path: Path) -> tuple[dict[str, int], set[str]]:
     seen: set[str] = set()
     if path.is_file():
         for line in path.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else {}
+            try:
+                rec = _parse_line(line)[0] if line.strip() else {}
+            except ValueError:  # torn by a crash mid-write: every later ping would fail on it
+                continue
             if rec.get("step") is not None:
                 newest[rec["kind"]] = max(newest.get(rec["kind"], -1), rec["step"])
             elif rec:
