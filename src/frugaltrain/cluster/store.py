@@ -24,9 +24,16 @@ query; a connection that breaks them or sends an unknown query is closed, the st
 `ADD` keeps int64 values, as torch's does: one on a key that does not hold an int64 (torch's
 server closes that connection) or whose total would pass int64 (torch's would overflow) closes
 the connection, and the key keeps its value.
-Queues, `LIST_KEYS` and `BARRIER` are not served: nothing in frugaltrain uses them. Every reply
-is sent under the store's one lock, so replies keep their order; a client that stops reading is
-dropped after SEND_TIMEOUT_S instead of holding the store.
+Queues, `LIST_KEYS` and `BARRIER` are not served: nothing in frugaltrain uses them.
+
+One thread serves every connection, as torch's server's one event loop does (`_Loop`): it reads
+what each socket has, in the order the sockets became readable, and answers each whole query as
+soon as it has it. So a write on one connection is seen by a query that another connection sends
+after it: a protocol that writes, tells a peer out of band (over gloo), and has the peer check
+the store finds the write. (With a thread per connection, the second connection's thread could
+answer first.) Replies are queued per client and sent without blocking, in order; a client that
+stops reading is dropped once its unsent replies pass MAX_UNSENT bytes or SEND_TIMEOUT_S passes
+without progress, instead of holding the store.
 
 Tagged mutations are applied once, however often a relay replays them (it numbers each of its
 mutations, and replays what it has no proof of after a coordinator restart). The store keeps,
@@ -70,6 +77,8 @@ from __future__ import annotations
 import enum
 import errno
 import os
+import select
+import selectors
 import socket
 import struct
 import threading
@@ -85,6 +94,7 @@ MAX_KEY = 8 * 1024
 MAX_VALUE = 8 * 1024 * 1024
 MAX_KEYS = 128 * 1024
 SEND_TIMEOUT_S = 10
+MAX_UNSENT = 64 << 20  # bytes of replies a client may leave unread (a few 8 MiB values)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what torch's store keeps for ADD
 
 
@@ -304,13 +314,60 @@ def start_thread(
     return t
 
 
+class _NeedMore(Exception):
+    """The bytes received so far end inside a query: wait for more."""
+
+
 class _Client(Reader):
-    """One client connection: its socket, a reader over it, and the keys it waits for."""
+    """One client connection: its socket, the bytes received and not parsed yet (read through
+    `Reader`'s calls, `_NeedMore` when they run out), the replies not sent yet, and the keys it
+    waits for."""
 
     def __init__(self, sock: socket.socket) -> None:
-        super().__init__(sock)
         self.sock = sock
+        self.taken = None
+        self.inbox = bytearray()
+        self.at = 0  # the next byte of `inbox` to parse
+        self.opened = False
+        self.outbox = bytearray()
+        self.stalled_since = 0.0  # when `outbox` last stopped draining (0: empty)
+        self.broken = ""  # why a send failed on another thread (the loop drops it)
+        self.ended = False  # it sent EOF: closed once its replies are sent
         self.waiting: set[bytes] = set()
+
+    def read(self, n: int) -> bytes:
+        if self.at + n > len(self.inbox):
+            raise _NeedMore
+        self.at += n
+        return bytes(self.inbox[self.at - n : self.at])
+
+    def next_query(
+        self, only: tuple[int, ...] = ()
+    ) -> tuple[int, tuple, tuple[bytes, int] | None] | None:
+        """The next whole query as (query, arguments, tag), or None until more bytes arrive (or,
+        with `only`, while the next one is not one of those queries: it stays, unread);
+        ProtocolError as soon as what arrived breaks the protocol or a limit."""
+        try:
+            if not self.opened:
+                self.opening()
+                self.opened = True
+                self._consume()
+            q, tag = self.read(1)[0], None
+            if q == TAGGED:  # a relay's mutation: (its id, seq), then the query itself
+                relay, seq, q = read_tag(self)
+                tag = relay, seq
+            if only and q not in only:
+                raise _NeedMore
+            query = q, read_args(self, q), tag
+        except _NeedMore:
+            self.at = 0  # a partial (or held back) query stays for later
+            return None
+        self._consume()
+        return query
+
+    def _consume(self) -> None:
+        del self.inbox[: self.at]
+        self.at = 0
 
 
 JOURNAL_HEADER = b"frugaltrain store journal, version 2\n"
@@ -467,9 +524,76 @@ class Journal:
             self._file = None
 
 
+READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+_BURST = 16  # reads (or accepts) of one socket per report before the others get their turn
+
+
+class _Poller:
+    """Readiness of the store's sockets, reported in the order it arose. On Linux: epoll,
+    edge-triggered, so a socket is queued when new bytes reach it and one that became readable
+    later is reported later. (Level-triggered epoll queues a socket it reported again, behind the
+    others, which can put a later query ahead of an earlier one on another connection.) A report
+    is read until the socket has nothing more (EAGAIN), else its bytes wait for the next edge.
+    Elsewhere: a selector, in its own order."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._selector = None if self._epoll else selectors.DefaultSelector()
+        self._objects: dict[int, tuple[socket.socket, object]] = {}
+
+    @staticmethod
+    def _mask(events: int) -> int:
+        return (
+            select.EPOLLET
+            | (select.EPOLLIN if events & READ else 0)
+            | (select.EPOLLOUT if events & WRITE else 0)
+        )
+
+    def register(self, sock: socket.socket, events: int, data: object = None) -> None:
+        self._objects[sock.fileno()] = sock, data
+        if self._epoll is not None:
+            self._epoll.register(sock.fileno(), self._mask(events))
+        else:
+            self._selector.register(sock, events, data)
+
+    def modify(self, sock: socket.socket, events: int, data: object = None) -> None:
+        if self._epoll is not None:
+            self._epoll.modify(sock.fileno(), self._mask(events))
+        else:
+            self._selector.modify(sock, events, data)
+
+    def unregister(self, sock: socket.socket) -> None:
+        self._objects.pop(sock.fileno(), None)
+        if self._epoll is not None:
+            self._epoll.unregister(sock.fileno())
+        else:
+            self._selector.unregister(sock)
+
+    def poll(self, timeout: float) -> list[tuple[socket.socket, object, int]]:
+        """(socket, data, READ | WRITE) of each socket ready within `timeout` seconds."""
+        if self._selector is not None:
+            return [(k.fileobj, k.data, ev) for k, ev in self._selector.select(timeout)]
+        out, readable = [], select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
+        for fd, ev in self._epoll.poll(timeout):
+            if fd in self._objects:  # not one unregistered meanwhile
+                sock, data = self._objects[fd]
+                out.append(
+                    (
+                        sock,
+                        data,
+                        (READ if ev & readable else 0) | (WRITE if ev & select.EPOLLOUT else 0),
+                    )
+                )
+        return out
+
+    def close(self) -> None:
+        (self._epoll or self._selector).close()
+
+
 class StoreServer:
-    """See the module docstring. `listen` serves clients on a port; `serve` one connection.
-    With `journal`, the contents are loaded from that file and every mutation is written to it."""
+    """See the module docstring. `listen` serves clients on a port; `adopt` a connection handed
+    over in process. With `journal`, the contents are loaded from that file and every mutation
+    is written to it."""
 
     def __init__(
         self, log: Callable[[str], None] | None = None, journal: Path | None = None
@@ -483,6 +607,18 @@ class StoreServer:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._closing = False
+        self._selector = _Poller()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        self._selector.register(self._wake_r, READ)
+        self._want_write: set[_Client] = set()  # replies queued: the loop watches their sockets
+        self._adopted: list[socket.socket] = []  # connections handed over, for the loop
+        self._more: set[_Client] = set()  # clients whose last burst was cut short
+        self._more_accepts = False  # the listener's, likewise
+        self._thread: threading.Thread | None = None
+        self._accept_pause = 0.0  # the last pause after accept() failed (0: accepting)
+        self._accept_paused_until = 0.0
         self.port = 0
         self.dropped: list[str] = []  # why each broken connection was closed, in order
         self._journal: Journal | None = None
@@ -507,72 +643,259 @@ class StoreServer:
             Query.PING: lambda c, nonce: nonce,
         }
 
-    # ---- the network side
+    # ---- the network side: one thread, one selector (module docstring)
     def listen(self, host: str = "127.0.0.1", port: int = 0) -> StoreServer:
-        """Accept clients at (host, port) on a thread; port 0 picks a free one (`self.port`)."""
+        """Serve clients at (host, port) on a thread; port 0 picks a free one (`self.port`)."""
         self._listener = socket.create_server((host, port), backlog=128)
+        self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True, name=f"store:{self.port}").start()
+        self._selector.register(self._listener, READ)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=f"store:{self.port}")
+        self._thread.start()
         return self
 
-    def _accept(self) -> None:
-        """Start a thread serving each connection until close(); neither running out of files
-        nor of threads ends it (`accepted`, `start_thread`)."""
-        assert self._listener is not None
-        for conn, addr in accepted(self._listener, lambda: self._closing, self._say):
-            start_thread(conn, self.serve, (conn,), f"{addr[0]}:{addr[1]}", self._say)
+    def _serve(self) -> None:
+        """Until close(): take new connections, read every readable socket, answer the whole
+        queries read (`_answer_batch`), and send what is queued."""
+        while not self._closing:
+            batch = []
+            for sock, client, events in self._selector.poll(self._timeout()):
+                if sock is self._listener:
+                    self._accept_some()
+                elif sock is self._wake_r:
+                    self._drain_wake()
+                elif self._guarded(client, self._ready, client, events):
+                    batch.append(client)
+            for c in list(self._more - set(batch)):  # a burst cut short: the rest of its bytes
+                if self._guarded(c, self._receive, c):
+                    batch.append(c)
+            self._answer_batch(batch)
+            self._tidy()
+        for c in list(self._clients):
+            self._drop(c, "")
+        self._selector.close()
+
+    def _guarded(self, c: _Client, fn: Callable, *args) -> bool:
+        """fn(*args); a bug met there costs `c`'s connection, never the loop that every client
+        depends on (False then)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 (logged with its type; the store goes on)
+            self._drop(c, f"{type(e).__name__}: {e}")
+            return False
+
+    def _ready(self, c: _Client, events: int) -> bool:
+        """Send what `c` is owed and read what it sent; whether it sent anything."""
+        if events & WRITE:
+            self._flush(c)
+        return bool(events & READ) and self._receive(c)
+
+    def _answer_batch(self, batch: list[_Client]) -> None:
+        """Answer the whole queries the clients of one poll sent, each client's in its order.
+        Queries without a reply (SET, APPEND, MULTI_SET) lead: their sender went on at once, so
+        a query that another client sent after one of them, having heard of it out of band, can
+        be in the same batch, and the kernel's order of readiness within a batch is not the
+        order of arrival. The rest were sent concurrently (none was answered), so any order of
+        them is one the clients could have seen."""
+        for only in (NO_REPLY, ()):
+            for c in batch:
+                self._guarded(c, self._answer_all, c, only)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _timeout(self) -> float:
+        """How long a poll may wait: not at all while a burst was cut short, until a paused
+        accept resumes, or a second (to see stalled clients)."""
+        if self._more:
+            return 0.0
+        if self._accept_paused_until:
+            return max(0.0, min(1.0, self._accept_paused_until - time.monotonic()))
+        return 1.0
+
+    def _accept_some(self) -> None:
+        """Up to _BURST pending connections; the rest wait for the next turn."""
+        for _ in range(_BURST):
+            if not self._accept_one():
+                return
+        self._more_accepts = True
+
+    def _accept_one(self) -> bool:
+        """One pending connection, if any (False: none, or accept paused). Short of files or
+        memory (accept's errors other than one connection's own), stop listening for a pause
+        that doubles while it fails, and log one line per streak (`accepted` says why)."""
+        try:
+            conn, addr = self._listener.accept()
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno in _CONNECTION_FAILED or self._closing:
+                return not self._closing
+            if not self._accept_pause:
+                self._say(f"cannot accept connections: {e.strerror or e}; retrying")
+            pause = min(2 * self._accept_pause, ACCEPT_BACKOFF_MAX_S) or ACCEPT_BACKOFF_MIN_S
+            self._accept_pause, self._accept_paused_until = pause, time.monotonic() + pause
+            self._selector.unregister(self._listener)
+            return False
+        if self._accept_pause:
+            self._say("accepting connections again")
+            self._accept_pause = 0.0
+        self._register(conn)
+        return True
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve the client connected on `sock`, a connection handed over in process (from any
+        thread: the loop registers it)."""
+        with self._lock:
+            self._adopted.append(sock)
+        self._wake()
+
+    def _register(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client = _Client(sock)
+        with self._lock:
+            self._clients.add(client)
+        self._selector.register(sock, READ, client)
+
+    def _receive(self, c: _Client) -> bool:
+        """What `c` has sent, into its inbox (up to _BURST reads: then it is in `_more` for the
+        next turn); whether it sent anything and is still connected."""
+        self._more.discard(c)
+        got = False
+        for _ in range(_BURST):
+            try:
+                data = c.sock.recv(1 << 16)
+            except BlockingIOError:
+                return got
+            except OSError as e:
+                self._drop(c, f"the connection broke: {e.strerror or e}")
+                return False
+            if not data:  # the client is done sending: answer what it sent, then close
+                c.ended = True
+                return got
+            c.inbox += data
+            got = True
+        self._more.add(c)
+        return got
+
+    def _answer_all(self, c: _Client, only: tuple[int, ...] = ()) -> bool:
+        """Answer each whole query in `c.inbox` in turn (with `only`: while the next is one of
+        those); False if it broke the protocol (then it is dropped)."""
+        if c not in self._clients:
+            return False
+        try:
+            while (query := c.next_query(only)) is not None:
+                q, args, tag = query
+                with self._lock:
+                    reply = self._answer(c, q, args, tag)
+                    if reply is not None:
+                        self._reply(c, reply)
+        except ProtocolError as e:
+            self._drop(c, str(e))
+            return False
+        return True
+
+    def _reply(self, c: _Client, data: bytes) -> None:
+        """Queue `data` after `c`'s earlier replies and send what the socket takes now; the
+        loop sends the rest when it can (called under the lock, from any thread)."""
+        if c.broken:
+            return
+        c.outbox += data
+        self._send(c)
+        if c.outbox:
+            self._want_write.add(c)
+            self._wake()
+
+    def _send(self, c: _Client) -> None:
+        """As much of `c.outbox` as its socket takes now (under the lock)."""
+        try:
+            sent = c.sock.send(c.outbox)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            c.broken, c.waiting = f"the connection broke: {e.strerror or e}", set()
+            self._wake()
+            return
+        del c.outbox[:sent]
+        if sent or not c.outbox:
+            c.stalled_since = time.monotonic() if c.outbox else 0.0
+        elif not c.stalled_since:
+            c.stalled_since = time.monotonic()
+
+    def _flush(self, c: _Client) -> None:
+        with self._lock:
+            self._send(c)
+            if not c.outbox and not c.broken:
+                self._want_write.add(c)  # _tidy sees it is empty and stops watching
+
+    def _tidy(self) -> None:
+        """Between selects: resume a paused accept when due, watch for writability where
+        replies wait (only there), and drop the clients that broke or stopped reading."""
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._selector.register(self._listener, READ)  # an edge now if any are pending
+        elif self._more_accepts:
+            self._more_accepts = False
+            self._accept_some()
+        with self._lock:
+            due, self._want_write = self._want_write, set()
+            adopted, self._adopted = self._adopted, []
+        for sock in adopted:
+            self._register(sock)
+        now = time.monotonic()
+        for c in list(self._clients):
+            if c.broken:
+                self._drop(c, c.broken)
+            elif c.ended and not c.outbox:
+                self._drop(c, "")  # it left
+            elif len(c.outbox) > MAX_UNSENT or (
+                c.stalled_since and now - c.stalled_since > SEND_TIMEOUT_S
+            ):
+                self._drop(c, f"it left {len(c.outbox)} bytes of replies unread")
+            elif c in due:
+                events = READ | (WRITE if c.outbox else 0)
+                self._selector.modify(c.sock, events, c)
+
+    def _drop(self, c: _Client, why: str) -> None:
+        """End `c`'s connection (on the loop's thread); `why` empty: it left."""
+        with self._lock:
+            if c not in self._clients:
+                return
+            self._clients.discard(c)
+            c.waiting = set()
+        self._more.discard(c)
+        if why:
+            self.dropped.append(why)
+            self._say(f"closed a client's connection: {why}")
+        self._selector.unregister(c.sock)
+        c.sock.close()
 
     def _say(self, line: str) -> None:
         if self.log is not None:
             self.log(f"store: {line}")
 
-    def serve(self, sock: socket.socket) -> None:
-        """Answer one client's queries until it leaves or breaks the protocol."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_S, 0))
-        client = _Client(sock)
-        with self._lock:
-            self._clients.add(client)
+    def _wake(self) -> None:
+        """Make the loop's select return (a reply queued, a client added, close())."""
         try:
-            client.opening()
-            while True:
-                q = client.read(1)[0]
-                tag = None
-                if q == TAGGED:  # a relay's mutation: (its id, seq), then the query itself
-                    relay, seq, q = read_tag(client)
-                    tag = relay, seq
-                args = read_args(client, q)  # outside the lock: a slow client holds nobody
-                with self._lock:
-                    reply = self._answer(client, q, args, tag)
-                    if reply is not None:
-                        self._reply(client, reply)
-        except EOFError:
-            pass  # the client left
-        except (ProtocolError, OSError) as e:
-            self.dropped.append(str(e))
-            if self.log is not None:
-                self.log(f"store: closed a client's connection: {e}")
-        finally:
-            with self._lock:
-                self._clients.discard(client)
-            client.file.close()
-            sock.close()
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending, or the store is closed
 
     def close(self) -> None:
         """Stop listening, end every client's connection, and close the journal."""
-        self._closing = True  # before the shutdown that wakes the accept thread
+        self._closing = True
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=SEND_TIMEOUT_S)  # it ends every client's connection
         if self._listener is not None:
-            try:  # wakes the accept thread: a closed socket alone would accept once more
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._listener.close()
         with self._lock:
-            for c in self._clients:
-                try:
-                    c.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             if self._journal is not None:
                 self._journal.close()
 
@@ -658,18 +981,6 @@ class StoreServer:
     def _cancel_wait(self, c: _Client) -> bytes:
         c.waiting = set()
         return WAIT_CANCELED
-
-    def _reply(self, c: _Client, data: bytes) -> None:
-        """Send under the lock (replies keep their order); a client that does not read within
-        SEND_TIMEOUT_S is cut off."""
-        try:
-            c.sock.sendall(data)
-        except OSError:
-            c.waiting = set()
-            try:
-                c.sock.shutdown(socket.SHUT_RDWR)  # its reader thread ends the connection
-            except OSError:
-                pass
 
     # ---- the data, under the lock; each change is kept for _commit, which journals it before
     # anyone is answered
