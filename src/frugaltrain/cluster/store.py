@@ -26,14 +26,15 @@ server closes that connection) or whose total would pass int64 (torch's would ov
 the connection, and the key keeps its value.
 Queues, `LIST_KEYS` and `BARRIER` are not served: nothing in frugaltrain uses them.
 
-One thread serves every connection, as torch's server's one event loop does (`_Loop`): it reads
-what each socket has, in the order the sockets became readable, and answers each whole query as
-soon as it has it. So a write on one connection is seen by a query that another connection sends
-after it: a protocol that writes, tells a peer out of band (over gloo), and has the peer check
-the store finds the write. (With a thread per connection, the second connection's thread could
-answer first.) Replies are queued per client and sent without blocking, in order; a client that
-stops reading is dropped once its unsent replies pass MAX_UNSENT bytes or SEND_TIMEOUT_S passes
-without progress, instead of holding the store.
+One thread serves every connection, as torch's server's one event loop does (`_serve`): each
+poll it reads what every ready socket has, then answers the whole queries read, each client's in
+its order, the writes that have no reply first (`_answer_batch` says why). So a write on one
+connection is seen by a query that another connection sends after it: a protocol that writes,
+tells a peer out of band (over gloo), and has the peer check the store finds the write, every
+time. (With a thread per connection the second connection's thread could answer first.)
+Replies are queued per client and sent without blocking, in order; a client that stops reading
+is dropped once its unsent replies pass MAX_UNSENT bytes or SEND_TIMEOUT_S passes without
+progress, instead of holding the store.
 
 Tagged mutations are applied once, however often a relay replays them (it numbers each of its
 mutations, and replays what it has no proof of after a coordinator restart). The store keeps,
