@@ -165,11 +165,14 @@ class _Pending:
                 self._logged_at = now
             total, turned_away = self.total, self.turned_away
         if say:
-            self.log(
-                f"turned away {peer}: {total} connections in the handshake, {n} from {source} "
-                f"(at most {MAX_PENDING}, {MAX_PENDING_PER_ADDRESS} per address); "
-                f"{turned_away} turned away so far"
-            )
+            try:
+                self.log(
+                    f"turned away {peer}: {total} connections in the handshake, {n} from "
+                    f"{source} (at most {MAX_PENDING}, {MAX_PENDING_PER_ADDRESS} per address); "
+                    f"{turned_away} turned away so far"
+                )
+            except Exception:  # noqa: BLE001 (the accept loop must outlive its log)
+                pass
         return False
 
     def release(self, host: str) -> None:
@@ -329,9 +332,11 @@ class Gateway(_Server):
             return server_handshake(conn, self._token, self.handshake_timeout_s)
         except Refused as e:
             self.refused.append((peer, str(e)))
-            self.log(f"refused {peer}: {e}")
-            _close_refused(conn, min(deadline, time.monotonic() + DRAIN_S))
-            self._sockets.discard(conn)
+            try:
+                self.log(f"refused {peer}: {e}")
+            finally:  # a log that fails never leaks the socket
+                _close_refused(conn, min(deadline, time.monotonic() + DRAIN_S))
+                self._sockets.discard(conn)
             return None
         finally:
             self._gate.release(peer.rsplit(":", 1)[0])

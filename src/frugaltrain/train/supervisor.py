@@ -21,7 +21,6 @@ Ctrl-C stops every process it started.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -178,7 +177,7 @@ def _stop_stragglers_at_the_end(procs, finished, store, cfg: Config) -> None:
     came back."""
     W, S = cfg.run.workers, cfg.run.shards
     done = {r for r in range(W) if all(r * S + s in finished for s in range(S))}
-    final = _final_members(group0_store(store, cfg), done)
+    final = _final_members(group0_store(store, cfg), done, cfg.run.workers)
     if final is None:
         return
     close_rendezvous(store, cfg)
@@ -201,12 +200,16 @@ def _join_for(procs: dict[int, BaseProcess], finished: set[int], seconds: float)
                 finished.add(rank)
 
 
-def _final_members(store: dist.Store, done: set[int]) -> set[int] | None:
-    """The last epoch's members once all of them have finished; None while training goes on."""
+def _final_members(store: dist.Store, done: set[int], workers: int) -> set[int] | None:
+    """The last epoch's members once all of them have finished; None while training goes on
+    (a value that is no list of members is skipped, as the coordinator skips it)."""
     for rank in done:
         key = keys.final_members(rank)
         if store.check([key]):
-            final = set(json.loads(store.get(key)))
+            try:
+                final = set(keys.parse_members(store.get(key), workers))
+            except ValueError:
+                continue
             return final if final <= done else None
     return None
 
