@@ -3,7 +3,9 @@ cluster/metrics_relay.py): every field of a control frame and every store value 
 checked. A machine that sends a bad field or a frame with a bad MAC is logged with its name and
 address and dropped, its slots freed; a bad store value is logged by its key and ignored; the
 run goes on. The coordinator is driven in process, its control channels over socket pairs, its
-store written directly as a member's store tunnel would: no training process runs."""
+store written directly as a member's store tunnel would: no training process runs. At the end:
+a machine on another frugaltrain or torch, or on other data, is refused in one line naming both
+sides."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import threading
 
 import pytest
 
+from frugaltrain import __version__
 from frugaltrain.cluster import keys, rendezvous_json
 from frugaltrain.cluster.auth import Channel
-from frugaltrain.cluster.coordinator import Coordinator
+from frugaltrain.cluster.coordinator import COORDINATOR_STATE, Coordinator
 from frugaltrain.metrics.log import read_metrics
 
 TOKEN = bytes(range(32))
@@ -371,3 +374,62 @@ def test_a_log_that_cannot_be_written_leaks_no_socket(coord):
     assert len(coord.gateway.refused) == 1
     assert coord.gateway._sockets._open == set()
     assert coord.unlogged >= 1
+
+
+# ---- versions and data: what every machine of a run must share
+DATA_A, DATA_B = "a" * 64, "b" * 64
+
+
+def _versions(torch: str, frugaltrain: str = __version__) -> dict:
+    return {"frugaltrain": frugaltrain, "torch": torch}
+
+
+def test_a_machine_on_another_torch_than_the_first_is_refused(coord):
+    first = Member(coord, "m1")
+    first.request = lambda **f: Member.request(first, versions=_versions("2.13.0"), **f)
+    assert "slots" in first.start()  # the first machine's torch becomes the run's
+    other = Member(coord, "m2")
+    replies = other.serve(other.request(name="other", versions=_versions("2.12.0")))
+    assert replies == [{"error": "other runs torch 2.12.0; box runs torch 2.13.0"}]
+    assert "refused machine other (10.0.0.7:40000): other runs torch 2.12.0" in log_of(coord)
+    assert coord.slots.of("m2") == []
+    first.leave()
+
+
+def test_another_frugaltrain_than_the_coordinators_is_refused(coord):
+    m = Member(coord, "m1")
+    replies = m.serve(m.request(versions=_versions("2.13.0", frugaltrain="9.9.9")))
+    want = f"box runs frugaltrain 9.9.9; the coordinator runs frugaltrain {__version__}"
+    assert replies == [{"error": want}]
+    assert coord.slots.of("m1") == []
+
+
+@pytest.mark.parametrize("versions", [["2.13"], {"torch": 2.13}, {"torch": "2.13\n0"}])
+def test_a_bad_versions_field_is_a_bad_request(coord, versions):
+    m = Member(coord, "m1")
+    (reply,) = m.serve(m.request(versions=versions))
+    assert reply["error"].startswith("bad request: versions: ")
+
+
+def test_a_machine_on_other_data_is_refused_and_its_slots_freed(coord):
+    first = Member(coord, "m1")
+    replies = first.serve(first.request(), {"ping": True, "data": DATA_A})
+    assert "slots" in replies[0] and replies[1]["ok"] is True
+    other = Member(coord, "m2")
+    replies = other.serve(other.request(name="other"), {"ping": True, "data": DATA_B})
+    assert "slots" in replies[0]
+    assert replies[1] == {
+        "error": f"other trains on data with sha256 {DATA_B}; box trains on data with sha256 "
+        f"{DATA_A}"
+    }
+    assert coord.slots.of("m2") == []
+    saved = json.loads((coord.run_dir / COORDINATOR_STATE).read_text())
+    assert saved["data"] == [DATA_A, "box"]  # a resumed coordinator keeps the run's data
+
+
+def test_a_resumed_coordinator_keeps_the_runs_torch_and_data(coord, make_config):
+    first = Member(coord, "m1")
+    first.serve(first.request(versions=_versions("2.13.0")), {"ping": True, "data": DATA_A})
+    coord.close()
+    again = Coordinator(coord.cfg, coord.run_dir, coord.token, "127.0.0.1", 0, resume=True)
+    assert again.versions["torch"] == ["2.13.0", "box"] and again.data == [DATA_A, "box"]

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from frugaltrain import __version__
 from frugaltrain.cluster import keys
 from frugaltrain.cluster.auth import Channel, Refused, read_token
 from frugaltrain.cluster.gateway import Gateway
@@ -80,6 +81,12 @@ COORDINATOR_STATE = "coordinator.json"
 STORE_JOURNAL = "store.journal"  # the store's writes, which --resume brings back
 MAX_INT = 2**63 - 1  # the largest round or step a machine may report (torch's int64)
 _MACHINE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")  # agents pick 12 hex digits
+_VERSION = re.compile(r"[0-9A-Za-z.+_-]{1,64}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+# What every machine of a run must run alike: a joining machine says its versions, and one that
+# differs from the coordinator's frugaltrain, or from the torch of the first machine that joined
+# (the coordinator runs without torch), is refused in one line naming both.
+VERSIONED = ("frugaltrain", "torch")
 T = TypeVar("T")
 
 
@@ -105,6 +112,7 @@ class _JoinRequest:
     live: bool
     workers: int
     rounds: dict[int, int]  # its complete checkpoints: round -> step
+    versions: dict[str, str]  # what it runs: frugaltrain, torch (VERSIONED)
 
 
 def _join_request(request: dict) -> _JoinRequest:
@@ -134,7 +142,13 @@ def _join_request(request: dict) -> _JoinRequest:
             and all(type(x) is int and 0 <= x <= MAX_INT for x in pair)
         ):
             raise ValueError(f"rounds: {_show(pair)} is not [round, step] in [0, {MAX_INT}]")
-    return _JoinRequest(mid, _printable(name or ""), live, workers, dict(rounds))
+    versions = request.get("versions", {})
+    if type(versions) is not dict or any(
+        type(v) is not str or not _VERSION.fullmatch(v) for v in versions.values()
+    ):
+        raise ValueError(f"versions: {_show(versions)} is not a table of version strings")
+    got = {k: versions[k] for k in VERSIONED if k in versions}
+    return _JoinRequest(mid, _printable(name or ""), live, workers, dict(rounds), got)
 
 
 @dataclass
@@ -144,6 +158,7 @@ class _Ping:
     metrics: list  # its lines, checked by MetricsRelay.add
     finished: list[int]
     leaving: bool
+    data: str | None  # the digest of the data its workers train on (its first ping only)
 
 
 def _ping(msg: dict, own: list[int]) -> _Ping:
@@ -159,7 +174,10 @@ def _ping(msg: dict, own: list[int]) -> _Ping:
     leaving = msg.get("leaving", False)
     if type(leaving) is not bool:
         raise ValueError(f"leaving: {_show(leaving)} is not true or false")
-    return _Ping(metrics, finished, leaving)
+    data = msg.get("data")
+    if data is not None and not (type(data) is str and _DIGEST.fullmatch(data)):
+        raise ValueError(f"data: {_show(data)} is not a sha256 digest")
+    return _Ping(metrics, finished, leaving, data)
 
 
 def _raise_open_files_limit() -> str:
@@ -263,6 +281,12 @@ class Coordinator:
         self.connected = 0  # machines whose control channel is open
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
         self.ignored: set[str] = set()  # store keys whose bad values were logged (once each)
+        # What the run's machines run and train on, as the first to say it said (name first).
+        self.versions: dict[str, list[str]] = {"frugaltrain": [__version__, "the coordinator"]}
+        self.data: list[str] | None = None  # [digest, machine name]
+        if resume:
+            self.versions |= self._saved("versions") or {}
+            self.data = self._saved("data")
         self.unlogged = 0  # lines that could not be written to coordinator.log
 
     def start(self) -> Coordinator:
@@ -315,6 +339,9 @@ class Coordinator:
         except ValueError as e:
             self._refuse(request, channel, e)
             return
+        if why := self._unlike(ask.name or channel.peer, "runs", self.versions, ask.versions):
+            self._turn_away(ask.name, channel, why)
+            return
         machine = self._machine(ask, channel.peer)
         if not self._await_mode(ask.live, channel):
             return
@@ -347,6 +374,34 @@ class Coordinator:
         finally:
             with self.log_lock:
                 self.connected -= 1
+
+    def _unlike(self, who: str, verb: str, run: dict[str, list[str]], mine: dict[str, str]) -> str:
+        """Why `who` cannot take part ("" if it can): a value of `mine` that differs from the
+        run's (`run`: name -> [value, who said it first]); a value the run has none of yet
+        becomes the run's."""
+        with self.state_lock:
+            for name, value in mine.items():
+                theirs = run.setdefault(name, [value, who])
+                if theirs[0] != value:
+                    return f"{who} {verb} {name} {value}; {theirs[1]} {verb} {name} {theirs[0]}"
+        return ""
+
+    def _unlike_data(self, machine: Machine, digest: str) -> str:
+        """Why a machine's data is not the run's ("" if it is: the first machine's sets it)."""
+        run = {"data": self.data} if self.data else {}
+        why = self._unlike(machine.name, "trains on", run, {"data": digest})
+        if not why and self.data is None:
+            self.data = run["data"]
+            self._save_state()
+        return why.replace(" data ", " data with sha256 ")
+
+    def _turn_away(self, name: str, channel: Channel, why: str) -> None:
+        """A machine that cannot take part: logged, and told why in one line."""
+        self.say(f"refused machine {name} ({channel.peer}): {why}")
+        try:
+            channel.send({"error": why})
+        except OSError:
+            pass  # it is gone: nothing more to tell it
 
     def _refuse(self, request: dict, channel: Channel, error: ValueError) -> None:
         """A request with a bad field: logged with its sender, who is told why; a machine known
@@ -483,6 +538,10 @@ class Coordinator:
             try:
                 msg = channel.recv(timeout_s=LEASE_S)
                 beat = _ping(msg, self.slots.of(machine.id))
+                if beat.data is not None and (why := self._unlike_data(machine, beat.data)):
+                    self._turn_away(machine.name, channel, why)
+                    self._drop(machine, f"machine {machine.name} dropped")
+                    return
                 # Every line is checked before any is kept (ValueError).
                 self.metrics.add(machine.id, beat.metrics, self.slots.holders())
                 self.slots.finish(beat.finished)
@@ -584,13 +643,18 @@ class Coordinator:
         """Written whole and renamed, under the lock: machines join on threads of their own."""
         with self.state_lock:
             state = {"port": self.port, "bind": self.bind, "slots": list(self.slots.owner)}
+            state |= {"versions": self.versions, "data": self.data}
             tmp = self.run_dir / f"{COORDINATOR_STATE}.tmp"
             tmp.write_text(json.dumps(state) + "\n")
             tmp.replace(self.run_dir / COORDINATOR_STATE)
 
     def _saved_owners(self) -> list[str | None] | None:
+        return self._saved("slots")
+
+    def _saved(self, key: str):
+        """A field of the state file, or None (written by this coordinator: trusted)."""
         path = self.run_dir / COORDINATOR_STATE
-        return json.loads(path.read_text())["slots"] if path.is_file() else None
+        return json.loads(path.read_text()).get(key) if path.is_file() else None
 
 
 def coordinator_config(config_path: str | None, overrides: list[str], resume: str | None):

@@ -36,8 +36,10 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import tomllib
+import torch
 import torch.distributed as dist
 
+import frugaltrain
 from frugaltrain import processes
 from frugaltrain.cluster import run_store
 from frugaltrain.cluster.auth import Channel, Refused, connect, read_token
@@ -57,6 +59,8 @@ from frugaltrain.metrics.log import keep_until_step
 from frugaltrain.train import checkpoint, supervisor
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
+VERSIONS = {"frugaltrain": frugaltrain.__version__, "torch": torch.__version__.split("+")[0]}
+"""What this machine runs, which every machine of a run must run alike (the coordinator checks)."""
 JOIN_WAIT_S = 300.0  # how long `join` waits for a coordinator not listening yet (--wait)
 
 
@@ -124,7 +128,7 @@ class Agent:
         self.channel: Channel = connect(self.host, self.port, self.token)
         request = {"want": "join", "workers": self.workers, "machine": self.machine}
         request |= {"name": socket.gethostname(), "slots": self.slots, "rounds": self._rounds()}
-        request["live"] = live
+        request |= {"live": live, "versions": VERSIONS}
         self.channel.send(request)
         said = False
         while True:
@@ -135,8 +139,10 @@ class Agent:
                 print(f"[agent] waiting: {msg['wait']}", flush=True)
                 said = True
             self.channel.send({"ping": True})
-        if "over" in msg or "error" in msg:
-            print(f"[agent] {msg.get('over') or msg.get('error')}", flush=True)
+        if "error" in msg:  # refused: its versions or its request
+            raise Refused(f"the coordinator refused this machine: {msg['error']}")
+        if "over" in msg:
+            print(f"[agent] {msg['over']}", flush=True)
             return None
         return msg
 
@@ -189,7 +195,11 @@ class Agent:
         from frugaltrain.train.launch import check_data, check_model
 
         check_model(self.cfg)
-        check_data(self.cfg)
+        digest = check_data(self.cfg)
+        self.channel.send({"ping": True, "data": digest})  # the run's data, or refused
+        answer = self.channel.recv(timeout_s=LEASE_S)
+        if "error" in answer:
+            raise Refused(f"the coordinator refused this machine: {answer['error']}")
         if self.run_dir is None:
             self.run_dir = new_run_dir(self.cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ or this process as one worker under torchrun.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -33,7 +34,8 @@ from frugaltrain.config import (
     to_dict,
     to_toml,
 )
-from frugaltrain.data.corpus import BatchSampler, load_corpus, shard_tokens
+from frugaltrain.data.corpus import BatchSampler, Corpus, load_corpus, shard_tokens
+from frugaltrain.data.shards import MANIFEST
 from frugaltrain.metrics.sinks import check_sinks
 from frugaltrain.models import build_model, memory_estimate, model_bytes, model_dims
 from frugaltrain.models.parts import select
@@ -44,10 +46,10 @@ from frugaltrain.train.supervisor import backend, plain_comm, run_local, worker_
 from frugaltrain.train.worker_errors import failure_of, report_failure
 
 
-def check_data(cfg: Config) -> None:
+def check_data(cfg: Config) -> str:
     """Fail before starting workers if the model's files are missing, the data's tokens do not
     fit its vocabulary or sequences its positions, or the corpus or any worker's shard cannot
-    serve batches."""
+    serve batches. Returns the data's digest (`data_digest`)."""
     d = cfg.data
     dims = model_dims(cfg)
     corpus = load_corpus(d.path, d.max_bytes, d.val_fraction)
@@ -72,6 +74,20 @@ def check_data(cfg: Config) -> None:
             0,
         )
     BatchSampler(corpus.val, d.seq_len, d.batch_size, 0)
+    return data_digest(corpus, d.path)
+
+
+def data_digest(corpus: Corpus, path: str) -> str:
+    """A sha256 that is equal on two machines iff they train on the same tokens: of a token
+    shard directory's manifest (which holds every shard's sha256, checked when it is opened),
+    else of the train and validation tokens themselves."""
+    h = hashlib.sha256()
+    if corpus.tokenizer_dir is not None:
+        h.update((Path(path).expanduser() / MANIFEST).read_bytes())
+    else:
+        for part in (corpus.train, corpus.val):
+            h.update(part.contiguous().numpy().tobytes())  # byte tokens: a tensor
+    return h.hexdigest()
 
 
 _GB = 1 << 30
