@@ -4,6 +4,7 @@
     frugaltrain train --resume runs/default          # continue from the latest checkpoint
     frugaltrain coordinator --config c.toml --port 29400 --token run.token  # machines come and go
     frugaltrain join HOST:29400 --token run.token --workers 2   # on each machine
+    frugaltrain status runs/mach                     # a run's machines, slots, loss and bytes
     frugaltrain train --nodes 2 --node-rank K --rdzv HOST:29400 --config c.toml  # fixed cluster
     frugaltrain report runs/default                  # re-render the summary table and plots
     frugaltrain report runs/a runs/b --plot-bytes cmp.png   # loss vs bytes sent, one line each
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         help="with --nodes: machine 0's address and a free port there (the c10d rendezvous)",
     )
     _add_machine_commands(sub)
+    p = sub.add_parser("status", help="a run's machines, slots, loss, bytes and last events")
+    p.add_argument("run_dir", help="the coordinator's run directory (a local run's works too)")
     p = sub.add_parser("report", help="re-render the summary table and plots of runs")
     p.add_argument("run_dir", nargs="+", help="run directories (from train or simulate)")
     p.add_argument(
@@ -91,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.command in ("coordinator", "join"):
             return _machines(args)
+        if args.command == "status":
+            from frugaltrain.cluster.status import status_text
+
+            print(status_text(args.run_dir))
+            return 0
         if args.command == "report":
             from frugaltrain.metrics.report import report_runs
 

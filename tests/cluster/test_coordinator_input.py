@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import importlib.metadata
 import json
 import resource
 import secrets
@@ -19,7 +20,6 @@ import threading
 
 import pytest
 
-from frugaltrain import __version__
 from frugaltrain.cluster import keys, rendezvous_json
 from frugaltrain.cluster.auth import Channel
 from frugaltrain.cluster.coordinator import COORDINATOR_STATE, Coordinator
@@ -377,6 +377,7 @@ def test_a_log_that_cannot_be_written_leaks_no_socket(coord):
 
 
 # ---- versions and data: what every machine of a run must share
+__version__ = importlib.metadata.version("frugaltrain")
 DATA_A, DATA_B = "a" * 64, "b" * 64
 
 

@@ -23,6 +23,8 @@ The modules:
                         every shard group's rendezvous, forget a process that exited.
     run_dir.py          a run's directory: RUN.OUT_DIR/RUN.NAME, or the first free NAME-i.
     metrics_relay.py    the coordinator's metrics.jsonl, merged from the lines machines relay.
+    status.py           status.html and metrics.prom (node_exporter) from a run directory, every
+                        few seconds; `frugaltrain status RUN_DIR` prints the same.
 
 docs/multihost.md shows a run across machines; docs/security.md what the token protects.
 """

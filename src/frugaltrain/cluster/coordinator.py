@@ -39,6 +39,7 @@ may have written it, so a bad one is logged once, by its key, and ignored.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import reprlib
@@ -52,7 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from frugaltrain import __version__
 from frugaltrain.cluster import keys
 from frugaltrain.cluster.auth import Channel, Refused, read_token
 from frugaltrain.cluster.gateway import Gateway
@@ -64,6 +64,7 @@ from frugaltrain.cluster.run_store import (
     group0_store,
     refresh_rendezvous,
 )
+from frugaltrain.cluster.status import StatusWriter
 from frugaltrain.cluster.store import PrefixView, Store, StoreServer
 from frugaltrain.config import Config, ConfigError, build_config, load_config, read_toml, to_toml
 
@@ -282,12 +283,14 @@ class Coordinator:
         self.metrics = MetricsRelay(run_dir / "metrics.jsonl")
         self.ignored: set[str] = set()  # store keys whose bad values were logged (once each)
         # What the run's machines run and train on, as the first to say it said (name first).
-        self.versions: dict[str, list[str]] = {"frugaltrain": [__version__, "the coordinator"]}
+        own = importlib.metadata.version("frugaltrain")
+        self.versions: dict[str, list[str]] = {"frugaltrain": [own, "the coordinator"]}
         self.data: list[str] | None = None  # [digest, machine name]
         if resume:
             self.versions |= self._saved("versions") or {}
             self.data = self._saved("data")
         self.unlogged = 0  # lines that could not be written to coordinator.log
+        self.status: StatusWriter | None = None  # status.html and metrics.prom, from start()
 
     def start(self) -> Coordinator:
         self.say(_raise_open_files_limit())
@@ -307,6 +310,7 @@ class Coordinator:
         self.gateway.start()
         self.port = self.gateway.port
         self._save_state()
+        self.status = StatusWriter(self.run_dir, self.say).start()  # status.html, metrics.prom
         return self
 
     def say(self, line: str) -> None:
@@ -637,6 +641,8 @@ class Coordinator:
     def close(self) -> None:
         self.gateway.close()
         self.store.close()
+        if self.status is not None:
+            self.status.stop()
 
     # ---- the state file: what --resume brings back
     def _save_state(self) -> None:
@@ -740,6 +746,7 @@ def run_coordinator(
     finally:
         coord.close()
     coord.say("training is over")
+    coord.status.stop()  # once more: the last status.html and metrics.prom, with the end
     # The summary and its plot in a child process too: matplotlib would double this one's size.
     subprocess.run([sys.executable, "-m", "frugaltrain", "report", str(run_dir)], check=False)
     return 0

@@ -25,6 +25,7 @@ hand without the store (its gloo peers are still there), checkpoints it and stop
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import os
 import socket
@@ -39,7 +40,6 @@ import tomllib
 import torch
 import torch.distributed as dist
 
-import frugaltrain
 from frugaltrain import processes
 from frugaltrain.cluster import run_store
 from frugaltrain.cluster.auth import Channel, Refused, connect, read_token
@@ -59,7 +59,10 @@ from frugaltrain.metrics.log import keep_until_step
 from frugaltrain.train import checkpoint, supervisor
 
 MACHINE_FILE = "machine.json"  # this machine's id and slots, kept in its run directory
-VERSIONS = {"frugaltrain": frugaltrain.__version__, "torch": torch.__version__.split("+")[0]}
+VERSIONS = {
+    "frugaltrain": importlib.metadata.version("frugaltrain"),
+    "torch": torch.__version__.split("+")[0],
+}
 """What this machine runs, which every machine of a run must run alike (the coordinator checks)."""
 JOIN_WAIT_S = 300.0  # how long `join` waits for a coordinator not listening yet (--wait)
 
