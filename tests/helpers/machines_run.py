@@ -18,9 +18,24 @@ def machine_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "frugaltrain", *args]
 
 
+_deadline = float("inf")  # the test's own end (`set_budget`): no wait may run past it
+
+
+def set_budget(seconds: float) -> None:
+    """Every wait from now on ends within `seconds` (a test's pytest timeout, less a margin),
+    so a slow run fails naming what it waited for, not at pytest's kill."""
+    global _deadline
+    _deadline = time.monotonic() + seconds
+
+
+def left(cap: float) -> float:
+    """Seconds a wait may take: `cap`, or what is left of the test's budget if less."""
+    return max(0.0, min(cap, _deadline - time.monotonic()))
+
+
 def wait_for(predicate, what: str, timeout_s: float = 90.0, procs=()) -> None:
     """Poll until `predicate()`; fail naming `what` (or a process that died first)."""
-    t0 = time.monotonic()
+    t0, timeout_s = time.monotonic(), left(timeout_s)
     while not predicate():
         for p in procs:
             assert p.poll() is None, f"{p.args} exited with {p.returncode} before {what}"
