@@ -16,6 +16,7 @@ import json
 import resource
 import secrets
 import socket
+import struct
 import threading
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from frugaltrain.cluster import keys, rendezvous_json
 from frugaltrain.cluster.auth import Channel
 from frugaltrain.cluster.coordinator import COORDINATOR_STATE, Coordinator
+from frugaltrain.cluster.store import MAGIC, Query
 from frugaltrain.metrics.log import read_metrics
 
 TOKEN = bytes(range(32))
@@ -434,3 +436,14 @@ def test_a_resumed_coordinator_keeps_the_runs_torch_and_data(coord, make_config)
     coord.close()
     again = Coordinator(coord.cfg, coord.run_dir, coord.token, "127.0.0.1", 0, resume=True)
     assert again.versions["torch"] == ["2.13.0", "box"] and again.data == [DATA_A, "box"]
+
+
+def test_the_store_has_no_port_only_the_gateways_connections(coord):
+    """No local user of the coordinator's host reaches the store: it listens nowhere, and the
+    gateway hands each authenticated store connection to it in process."""
+    assert coord.store._listener is None and coord.store.port == 0
+    hello = bytes([Query.VALIDATE]) + struct.pack("<I", MAGIC)
+    with coord._store_connection() as conn:
+        conn.settimeout(10)
+        conn.sendall(hello + bytes([Query.PING]) + b"ping")
+        assert conn.recv(4) == b"ping"

@@ -4,6 +4,7 @@ trickles bytes is cut off at the handshake deadline, its refusal included."""
 
 from __future__ import annotations
 
+import os
 import queue
 import select
 import socket
@@ -12,12 +13,13 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from frugaltrain.cluster import gateway
 from frugaltrain.cluster.auth import TOKEN_BYTES, Channel, Refused, client_handshake, connect
-from frugaltrain.cluster.gateway import Gateway
+from frugaltrain.cluster.gateway import Gateway, StoreTunnel, peer_uid
 
 TOKEN = bytes(range(TOKEN_BYTES))
 
@@ -274,3 +276,42 @@ def test_a_trickling_peer_is_cut_off_at_the_handshake_deadline(lines, monkeypatc
     ]
     # closed at the deadline; the margin is for a loaded machine and the last 0.2 s byte
     assert deadline_s <= elapsed_s < deadline_s + 2.5
+
+
+def test_peer_uid_names_the_user_at_the_other_end():
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux's /proc/net/tcp")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        try:
+            assert peer_uid(conn) == os.getuid()
+        finally:
+            conn.close()
+            client.close()
+
+
+def test_the_store_tunnel_refuses_another_local_user():
+    """A process of another user on a joining machine cannot ride its tunnel to the store: it
+    is closed unread, with one line (the tunnel carries the token's authority)."""
+    system_python = Path("/usr/bin/python3")  # the venv's may not be readable by nobody
+    if os.getuid() != 0 or not Path("/proc/net/tcp").exists() or not system_python.exists():
+        pytest.skip("needs root (to run a client as another user), Linux and /usr/bin/python3")
+    lines: list[str] = []
+    tunnel = StoreTunnel("127.0.0.1", 1, TOKEN, log=lines.append).start()  # no gateway needed
+    code = (
+        "import socket, sys; s = socket.create_connection(('127.0.0.1', int(sys.argv[1])));"
+        "s.settimeout(20); print(repr(s.recv(1)))"
+    )
+    try:
+        done = subprocess.run(
+            [str(system_python), "-c", code, str(tunnel.port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            user=65534,  # nobody
+        )
+    finally:
+        tunnel.close()
+    assert done.stdout.strip() == "b''", done.stderr
+    assert len(lines) == 1 and "a process of uid 65534: it serves uid 0 only" in lines[0]

@@ -2,8 +2,8 @@
 
 A run across machines has one shared secret, the run token: 32 random bytes kept as 64 hex
 characters in a file that only its owner can read (`new_token`, `read_token`). The TCPStore has
-no authentication, so it listens on 127.0.0.1 only, and every machine that joins proves the token
-to the coordinator's gateway first, without ever sending it:
+no authentication, so the coordinator's store listens on no port, and every machine that joins
+proves the token to the coordinator's gateway first, without ever sending it:
 
     server -> client    FTAUTH1 <nonce_s hex>\\n
     client -> server    <nonce_c hex> <HMAC(token, "client" + nonce_s + nonce_c) hex>\\n

@@ -43,6 +43,7 @@ import importlib.metadata
 import json
 import re
 import reprlib
+import socket
 import subprocess
 import sys
 import threading
@@ -293,7 +294,6 @@ class Coordinator:
         self.status: StatusWriter | None = None  # status.html and metrics.prom, from start()
 
     def start(self) -> Coordinator:
-        self.say(_raise_open_files_limit())
         journal = self.run_dir / STORE_JOURNAL
         try:
             self.store = StoreServer(log=self.say, journal=journal)
@@ -302,16 +302,25 @@ class Coordinator:
                 f"{e}; move {journal} aside and --resume again: the machines then go on from "
                 "their checkpoints"
             ) from None
+        self.say(_raise_open_files_limit())  # after the journal: a bad one writes nothing
         if self.mode is None:  # nobody's keep-alive reached the store while it was away
             self._try(keys.RENDEZVOUS, lambda: refresh_rendezvous(self.store, self.cfg))
-        self.store.listen("127.0.0.1", 0)
-        addr = ("127.0.0.1", self.store.port)
-        self.gateway = Gateway(self.bind, self.port, self.token, addr, self.serve, self.say)
+        # No port of its own: only the gateway's authenticated connections reach the store.
+        self.store.start()
+        self.gateway = Gateway(
+            self.bind, self.port, self.token, self._store_connection, self.serve, self.say
+        )
         self.gateway.start()
         self.port = self.gateway.port
         self._save_state()
         self.status = StatusWriter(self.run_dir, self.say).start()  # status.html, metrics.prom
         return self
+
+    def _store_connection(self) -> socket.socket:
+        """One end of a new socket pair, the other handed to the store."""
+        ours, theirs = socket.socketpair()
+        self.store.adopt(theirs)
+        return ours
 
     def say(self, line: str) -> None:
         """A line of the coordinator's log: printed and kept in RUN_DIR/coordinator.log. It

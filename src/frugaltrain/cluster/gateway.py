@@ -1,7 +1,9 @@
 """The coordinator's authenticated port, and the joining machine's forwarder to the run's store.
 
-The coordinator hosts the run's TCPStore on 127.0.0.1 only: TCPStore has no authentication, and
-anyone who can reach it can rewrite the run's state. The public port is a `Gateway`. Each
+The coordinator's store listens on no port: TCPStore has no authentication, and anyone who can
+reach it can rewrite the run's state. The public port is a `Gateway`, which hands each
+authenticated store connection to the store in process (or, in tests, connects to a store's
+address). Each
 connection to it must pass `auth.server_handshake` first; one that does not is logged in one line
 and closed, and it never gets a byte past the `REFUSED` line, nor a connection to the store.
 
@@ -12,11 +14,12 @@ An authenticated peer's first framed message says what it wants:
     anything else       handed to `serve(request, channel)`: the control channel (config, slot
                         assignment, pings), framed and MAC-protected.
 
-`StoreTunnel` runs on a joining machine: it listens on 127.0.0.1, and each local connection
-(a TCPStore client) gets its own authenticated connection to the gateway, spliced once
-`{"want": "store"}` is sent. With `hold_s` > 0 it reads the store protocol instead of splicing,
-so that a client's connection outlives a coordinator restart: requests wait while the gateway is
-away and are replayed once it is back, each mutation applied once (`StoreTunnel`).
+`StoreTunnel` runs on a joining machine: it listens on 127.0.0.1 for the processes of its own
+user (another user's connection is refused, `peer_uid`: it would ride the token's authority),
+and each local connection (a TCPStore client) gets its own authenticated connection to the gateway,
+spliced once `{"want": "store"}` is sent. With `hold_s` > 0 it reads the store protocol instead of
+splicing, so that a client's connection outlives a coordinator restart: requests wait while the
+gateway is away and are replayed once it is back, each mutation applied once (`StoreTunnel`).
 
 Not protected: spliced store bytes carry no MAC and no encryption, so an attacker on the network
 path could hijack a live connection after its handshake. Run on a private network or WireGuard
@@ -42,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from frugaltrain.cluster.auth import Channel, Refused, connect, server_handshake
 from frugaltrain.cluster.store import (
@@ -295,13 +299,13 @@ class Gateway(_Server):
         bind: str,
         port: int,
         token: bytes,
-        store_addr: tuple[str, int],
+        store: tuple[str, int] | Callable[[], socket.socket],
         serve: Callable[[dict, Channel], None],
         log: Callable[[str], None] = print,
         handshake_timeout_s: float = 10.0,
     ):
         self.bind, self.port = bind, port
-        self.store_addr = store_addr
+        self.store = store  # a store's address, or what hands a connection to one in process
         self.serve = serve
         self.log = log
         self.handshake_timeout_s = handshake_timeout_s
@@ -362,12 +366,10 @@ class Gateway(_Server):
 
     def _splice_store(self, conn: socket.socket, peer: str) -> None:
         try:
-            store = socket.create_connection(self.store_addr, timeout=self.handshake_timeout_s)
+            store = self._open_store()
         except OSError as e:
-            host, port = self.store_addr
-            self.log(f"dropped {peer}: cannot reach the store at {host}:{port}: {e}")
+            self.log(f"dropped {peer}: cannot reach the store: {e}")
             return
-        store.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._sockets.add(store):
             store.close()
             return
@@ -375,6 +377,52 @@ class Gateway(_Server):
             splice(conn, store)
         finally:
             self._sockets.discard(store)
+
+    def _open_store(self) -> socket.socket:
+        """A new connection to the store: handed over in process (the coordinator's store has
+        no port: only authenticated peers reach it), or over TCP to an address."""
+        if callable(self.store):
+            return self.store()
+        sock = socket.create_connection(self.store, timeout=self.handshake_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+_PROC_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+
+def peer_uid(conn: socket.socket, tries: int = 5) -> int | None:
+    """The user owning the other end of a loopback TCP connection (None: not found, or no
+    /proc/net/tcp: not Linux). TCP has no SO_PEERCRED, but the kernel lists every socket with
+    its owner: the other end is the row whose local port is our peer's and remote port ours.
+    The table is read a page at a time while sockets come and go, so a row can be missed on
+    one reading: a few are tried."""
+    try:
+        ours, theirs = conn.getsockname()[1], conn.getpeername()[1]
+    except OSError:
+        return None
+    for attempt in range(tries):
+        uid = _uid_in_tables(ours, theirs)
+        if uid is not None:
+            return uid
+        time.sleep(0.01 * (attempt + 1))
+    return None
+
+
+def _uid_in_tables(ours: int, theirs: int) -> int | None:
+    for table in _PROC_TCP:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()  # sl local remote st queues tr retrnsmt uid ...
+            if (
+                int(f[1].rsplit(":", 1)[1], 16) == theirs
+                and int(f[2].rsplit(":", 1)[1], 16) == ours
+            ):
+                return int(f[7])
+    return None
 
 
 class StoreTunnel(_Server):
@@ -427,8 +475,24 @@ class StoreTunnel(_Server):
 
     def start(self) -> StoreTunnel:
         handle = self._hold if self.hold_s > 0 else self._forward
-        self.port = self._serve_on("127.0.0.1", 0, handle, "store-tunnel")
+        self.port = self._serve_on("127.0.0.1", 0, self._own_user_only(handle), "store-tunnel")
         return self
+
+    def _own_user_only(self, handle: Callable) -> Callable:
+        """`handle` for connections from processes of this user only: the tunnel carries its
+        own token's authority, so another local user must not ride it to the store."""
+        me = os.getuid()
+
+        def checked(conn: socket.socket, peer: str) -> None:
+            uid = peer_uid(conn)
+            if uid == me or (uid is None and not _PROC_TCP[0].exists()):
+                return handle(conn, peer)
+            who = "an unknown user" if uid is None else f"uid {uid}"
+            self.log(f"store tunnel: refused {peer}, a process of {who}: it serves uid {me} only")
+            self._sockets.discard(conn)
+            conn.close()
+
+        return checked
 
     @property
     def held(self) -> int:

@@ -651,6 +651,11 @@ class StoreServer:
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._selector.register(self._listener, READ)
+        return self.start()
+
+    def start(self) -> StoreServer:
+        """Serve, on a thread, the connections handed over (`adopt`) and, after `listen`, those
+        its port accepts."""
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"store:{self.port}")
         self._thread.start()
         return self
