@@ -69,10 +69,14 @@ def _node_agents(args: list[str], cwd: Path, tag: str, wrapper: bool) -> list[su
     return agents
 
 
+FINISH_S = 240  # both agents' runs, one deadline: the tests' pytest timeouts leave room for it
+
+
 def _finish(agents: list[subprocess.Popen], cwd: Path, tag: str) -> list[str]:
-    """Wait for both agents; returns their logs (each must have succeeded)."""
+    """Wait for both agents, FINISH_S in all; returns their logs (each must have succeeded)."""
+    deadline = time.monotonic() + FINISH_S
     for agent in agents:
-        agent.wait(timeout=120)
+        agent.wait(timeout=max(0.0, deadline - time.monotonic()))
     logs = [(cwd / f"{tag}_node{k}.log").read_text() for k in range(NODES)]
     for agent, log in zip(agents, logs, strict=True):
         assert agent.returncode == 0, log[-4000:]
@@ -180,6 +184,7 @@ def first_launch(config_factory, tmp_path_factory) -> FirstLaunch:
     )
 
 
+@pytest.mark.timeout(420)  # with the first launch's setup: 90 s to start, FINISH_S to end
 def test_two_node_agents_survive_a_killed_worker(first_launch):
     run = first_launch
     assert f"local_rank: {run.killed['LOCAL_RANK']}" in run.logs[1]
@@ -191,6 +196,7 @@ def test_two_node_agents_survive_a_killed_worker(first_launch):
     assert run.rounds == [1, 2, 3, 4, 5]  # each round logged once, redone rounds included
 
 
+@pytest.mark.timeout(420)  # the first launch's setup, if this runs first, then FINISH_S
 def test_two_node_agents_resume_exactly(first_launch):
     """The same two machines resume the stopped run to its end, by `frugaltrain train --nodes`
     this time; equal, bit for bit, to the simulation of the whole run."""
