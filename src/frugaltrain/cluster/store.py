@@ -263,6 +263,27 @@ ACCEPT_BACKOFF_MIN_S = 0.05  # the first pause after a failed accept(), doubled 
 ACCEPT_BACKOFF_MAX_S = 1.0  # and the longest: a port comes back within a second of its files
 
 
+class AcceptBackoff:
+    """The pause after accept() fails for want of files or memory: ACCEPT_BACKOFF_MIN_S,
+    doubled up to ACCEPT_BACKOFF_MAX_S while it keeps failing; one log line per streak, and one
+    when accepting works again. Shared by the blocking loop (`accepted`) and the store's own."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log, self.pause = log, 0.0
+
+    def failed(self, e: OSError) -> float:
+        """The next pause, in seconds."""
+        if not self.pause:
+            self.log(f"cannot accept connections: {e.strerror or e}; retrying")
+        self.pause = min(2 * self.pause, ACCEPT_BACKOFF_MAX_S) or ACCEPT_BACKOFF_MIN_S
+        return self.pause
+
+    def accepted(self) -> None:
+        if self.pause:
+            self.log("accepting connections again")
+            self.pause = 0.0
+
+
 def accepted(
     listener: socket.socket, closing: Callable[[], bool], log: Callable[[str], None]
 ) -> Iterator[tuple[socket.socket, tuple]]:
@@ -277,7 +298,7 @@ def accepted(
     single connection (_CONNECTION_FAILED) it takes the next at once.
     A listener with a timeout wakes up to check `closing()`; without one, whoever closes sets
     `closing()` first, then shuts the listener down, which ends a blocked accept()."""
-    pause = 0.0
+    backoff = AcceptBackoff(log)
     while not closing():
         try:
             conn, addr = listener.accept()
@@ -286,16 +307,10 @@ def accepted(
         except OSError as e:
             if closing() or listener.fileno() < 0:
                 return
-            if e.errno in _CONNECTION_FAILED:
-                continue
-            if not pause:
-                log(f"cannot accept connections: {e.strerror or e}; retrying")
-            pause = min(2 * pause, ACCEPT_BACKOFF_MAX_S) if pause else ACCEPT_BACKOFF_MIN_S
-            time.sleep(pause)
+            if e.errno not in _CONNECTION_FAILED:
+                time.sleep(backoff.failed(e))
             continue
-        if pause:
-            log("accepting connections again")
-            pause = 0.0
+        backoff.accepted()
         yield conn, addr
 
 
@@ -618,7 +633,7 @@ class StoreServer:
         self._more: set[_Client] = set()  # clients whose last burst was cut short
         self._more_accepts = False  # the listener's, likewise
         self._thread: threading.Thread | None = None
-        self._accept_pause = 0.0  # the last pause after accept() failed (0: accepting)
+        self._backoff = AcceptBackoff(self._say)
         self._accept_paused_until = 0.0
         self.port = 0
         self.dropped: list[str] = []  # why each broken connection was closed, in order
@@ -741,15 +756,10 @@ class StoreServer:
         except OSError as e:
             if e.errno in _CONNECTION_FAILED or self._closing:
                 return not self._closing
-            if not self._accept_pause:
-                self._say(f"cannot accept connections: {e.strerror or e}; retrying")
-            pause = min(2 * self._accept_pause, ACCEPT_BACKOFF_MAX_S) or ACCEPT_BACKOFF_MIN_S
-            self._accept_pause, self._accept_paused_until = pause, time.monotonic() + pause
+            self._accept_paused_until = time.monotonic() + self._backoff.failed(e)
             self._selector.unregister(self._listener)
             return False
-        if self._accept_pause:
-            self._say("accepting connections again")
-            self._accept_pause = 0.0
+        self._backoff.accepted()
         self._register(conn)
         return True
 
