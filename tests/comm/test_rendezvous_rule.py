@@ -1,8 +1,9 @@
-"""The rule every participant of a rendezvous round applies (ft/rendezvous.py `decide`)."""
+"""The rules every participant of a rendezvous round applies (comm/rendezvous.py `decide`, and
+`donor_after` for each joiner's donor)."""
 
 from __future__ import annotations
 
-from frugaltrain.comm.rendezvous import decide
+from frugaltrain.comm.rendezvous import decide, donor_after
 
 
 def _who(worker: int, epoch: int, purpose: str, round_idx: int = 7) -> dict:
@@ -39,3 +40,19 @@ def test_a_member_the_others_went_on_without_is_stale():
 
 def test_only_joiners_left_wait():
     assert decide([_who(3, -1, "join")]) == ([], [], [], [3])
+
+
+def test_a_joiner_asks_the_next_donor_after_each_refusal_wrapping_around():
+    old = [4, 0, 2]  # the old members, in any order
+    assert donor_after(old, []) == (0, False)  # the lowest first
+    assert donor_after(old, [0]) == (2, False)
+    assert donor_after(old, [0, 2]) == (4, False)
+    assert donor_after(old, [4]) == (0, False)  # after the highest: the lowest again
+    assert donor_after(old, [2, 4]) == (0, False)
+    assert donor_after(old, [3]) == (4, False)  # refused a worker no longer a member
+
+
+def test_the_donor_order_starts_over_once_every_old_member_was_refused():
+    assert donor_after([0, 2, 4], [0, 2, 4]) == (0, True)
+    assert donor_after([0, 2, 4], [2, 4, 0]) == (2, True)  # from after the last one refused
+    assert donor_after([1], [1]) == (1, True)  # one old member: it is asked again

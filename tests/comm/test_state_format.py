@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from frugaltrain.comm import LocalComm, state_format
-from frugaltrain.comm.ft.admission import state_digest
+from frugaltrain.comm.ft.admission import state_digests
 from frugaltrain.comm.runtime import Runtime
 from frugaltrain.train.loop import Place, run_round, setup
 
@@ -130,7 +130,8 @@ def test_a_real_worker_state_round_trips(make_config, sets):
     state["ft_seq"] = (5, 3, 2)
     back = state_format.decode(state_format.encode(state))
     assert same(state, back)
-    assert state_digest(back) == state_digest(state)
+    transfers = [(2, 0, 1)]  # (round, donor, joiner)
+    assert state_digests(back, (5, 3, 2), transfers) == state_digests(state, (5, 3, 2), transfers)
     assert isinstance(back["inner"]["state"], dict) and all(
         type(k) is int for k in back["inner"]["state"]
     )

@@ -38,10 +38,11 @@ def membership(records: list[dict]) -> list[dict]:
 def members_per_round(records: list[dict], workers: int) -> list[int]:
     """How many members each logged round ran with according to the membership records: the
     member list of the last change recorded with an earlier round (`workers` before any).
-    `rejoined` records are left out: they are the joiner's own, written to the log a round end
-    or more after the `joined` record of the same change."""
+    `rejoined` and `refused` records are left out: they are the joiner's own, written to the log
+    a round end or more after the `joined` record of the same change."""
     changes = sorted(
-        (e for e in membership(records) if e["event"] != "rejoined"), key=lambda e: e["round"]
+        (e for e in membership(records) if e["event"] not in ("rejoined", "refused")),
+        key=lambda e: e["round"],
     )  # stable: changes of the same round keep the order they happened in
     counts = []
     for r in (r for r in records if r.get("kind") == "round"):

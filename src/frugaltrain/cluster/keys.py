@@ -115,9 +115,16 @@ def round_decision(round_idx: int) -> str:
     return f"ft/round/{round_idx}"
 
 
-def donor_digest(round_idx: int) -> str:
-    """The hash of the state the donor sent at this round end (the joiner compares)."""
-    return f"ft/donor_digest/{round_idx}"
+def donor_digest(round_idx: int, donor: int, joiner: int) -> str:
+    """The hash of the state `donor` sent `joiner` at this round end (the joiner compares). It
+    names the whole transfer: a digest written for another round or pair is never read here."""
+    return f"ft/donor_digest/{round_idx}/{donor}/{joiner}"
+
+
+def refused_donors(worker: int) -> str:
+    """The donors whose state the worker refused since it last rejoined (JSON list, in the
+    order refused): its next admission asks another (comm/rendezvous.py `donor_after`)."""
+    return f"ft/refused_donors/{worker}"
 
 
 def record(token: str) -> str:

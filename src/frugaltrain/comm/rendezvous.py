@@ -286,7 +286,10 @@ class Round:
 
     members: workers of the new epoch (sorted; a worker's gloo rank is its index).
     joiners: restarted workers admitted now (a subset of members), with `tokens`
-        ("worker:incarnation") and `donor`, the lowest old member, who sends them its state.
+        ("worker:incarnation") and `donors`: each joiner's donor, the old member that sends it
+        its state (`donor_after`: the lowest, unless the joiner refused some).
+    started_over: joiners that had refused every old member's state once: their donors
+        start over.
     stale: workers the others had already gone on without; they must restart.
     deferred: joiners left out because some member was recovering (they wait for the next).
     """
@@ -295,7 +298,8 @@ class Round:
     members: list[int]
     joiners: list[int]
     tokens: list[str]
-    donor: int | None
+    donors: dict[int, int]
+    started_over: list[int]
     round: int
     stale: list[int]
     deferred: list[int]
@@ -326,6 +330,23 @@ def decide(who: list[dict]) -> tuple[list[int], list[int], list[int], list[int]]
     return members, joiners, stale, [] if admit else join
 
 
+def donor_after(old: list[int], refused: list[int]) -> tuple[int, bool]:
+    """A joiner's donor among the old members `old`, and whether its order started over.
+
+    `refused` holds the donors whose state the joiner refused since it last rejoined, in order
+    (its who entry; admission.py keeps it). The donor is the first old member after the last
+    refused one, wrapping around, that it has not refused; the lowest without refusals. Once it
+    has refused every old member, the order starts over from the same place. Every participant
+    computes it from the same record, so all agree.
+    """
+    old = sorted(old)
+    if not refused:
+        return old[0], False
+    ring = [w for w in old if w > refused[-1]] + [w for w in old if w <= refused[-1]]
+    fresh = [w for w in ring if w not in refused]
+    return (fresh[0], False) if fresh else (ring[0], True)
+
+
 class Membership:
     """One worker's handle on the run's rendezvous (see the module docstring)."""
 
@@ -354,10 +375,13 @@ class Membership:
             namespace,
         )
 
-    def next(self, purpose: str, epoch: int, round_idx: int) -> Round:
-        """Leave the current round, join the next one and agree on what it means. Raises what
-        the rendezvous raises (timeout, closed) and store errors (a participant died right
-        after the round closed); the caller tries again."""
+    def next(
+        self, purpose: str, epoch: int, round_idx: int, refused: tuple[int, ...] = ()
+    ) -> Round:
+        """Leave the current round, join the next one and agree on what it means. `refused`:
+        a joiner's refused donors (`donor_after`). Raises what the rendezvous raises (timeout,
+        closed) and store errors (a participant died right after the round closed); the caller
+        tries again."""
         info = self.handler.next_rendezvous()
         me = {
             "worker": self.worker,
@@ -365,6 +389,7 @@ class Membership:
             "epoch": epoch,
             "purpose": purpose,
             "round": round_idx,
+            "refused": list(refused),
         }
         info.store.set(keys.who(info.rank), json.dumps(me))
         everyone = [keys.who(r) for r in range(info.world_size)]
@@ -375,12 +400,19 @@ class Membership:
         new_epoch = int(info.store.get(keys.ROUND_EPOCH))
         members, joiners, stale, deferred = decide(who)
         old = [w for w in who if w["purpose"] != "join" and w["worker"] in members]
+        old_members = [w["worker"] for w in old]
+        picks = {
+            w["worker"]: donor_after(old_members, w.get("refused", []))
+            for w in who
+            if w["purpose"] == "join" and w["worker"] in joiners
+        }
         return Round(
             epoch=new_epoch,
             members=members,
             joiners=joiners,
             tokens=[f"{w['worker']}:{w['incarnation']}" for w in who if w["worker"] in joiners],
-            donor=min(w["worker"] for w in old) if joiners else None,
+            donors={j: donor for j, (donor, _) in picks.items()},
+            started_over=sorted(j for j, (_, over) in picks.items() if over),
             round=max((w["round"] for w in old), default=0),
             stale=stale,
             deferred=deferred,

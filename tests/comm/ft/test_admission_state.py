@@ -74,7 +74,7 @@ class _Pg:
 def _receive(pg: _Pg, bound: int) -> dict:
     admission = Admission.__new__(Admission)
     admission.world = SimpleNamespace(pg=pg)
-    return admission._receive_state(SimpleNamespace(members=[0, 1], donor=0), bound)
+    return admission._receive_state(SimpleNamespace(members=[0, 1]), 0, bound)
 
 
 @pytest.mark.parametrize("size", [0, -1, 1001, 1 << 40])

@@ -187,14 +187,15 @@ class ElasticWorld:
         return out
 
     # ---- moving to the next epoch
-    def rendezvous(self, purpose: str) -> Round:
+    def rendezvous(self, purpose: str, refused: tuple[int, ...] = ()) -> Round:
         """Take part in rendezvous rounds until this worker is in one whose gloo group forms;
         returns that round. A stale worker (the others went on without it) exits to be
-        restarted; a joiner deferred by a recovering member waits for the next."""
+        restarted; a joiner deferred by a recovering member waits for the next. `refused`: a
+        joiner's refused donors, which its donor skips (rendezvous.py `donor_after`)."""
         while True:
             self._check_evicted()
             try:
-                rnd = self.membership.next(purpose, self.epoch, self.round)
+                rnd = self.membership.next(purpose, self.epoch, self.round, refused)
             except RendezvousClosedError:  # the launcher closed it: training is over
                 print(f"[worker {self.rank}] the run ended while it waited to join", flush=True)
                 self.exit(0)
