@@ -401,3 +401,19 @@ def test_coordinator_resume_names_a_damaged_store_journal(config_factory, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "store.journal" in err[0] and "aside" in err[0], err
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml", "store.journal"]
+
+
+def test_a_coordinator_without_its_key_file_says_so_before_the_port_opens(
+    tmp_path, capsys, monkeypatch
+):
+    """The token file travels to every machine, its key file stays on the coordinator: a
+    coordinator started with a copied token and no key is refused in one line."""
+    from frugaltrain.cluster.auth import new_token
+
+    token = new_token(tmp_path / "run.token")
+    token.key_file.unlink()
+    monkeypatch.chdir(tmp_path)  # a run directory would appear here
+    assert cli.main(["coordinator", "--token", str(token.path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(token.key_file) in err[0] and "--new-token" in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["run.token"]

@@ -166,8 +166,11 @@ def _machines(args) -> int:
     if args.new_token:
         from frugaltrain.cluster.auth import new_token
 
-        new_token(args.new_token)
-        print(f"wrote a new run token to {args.new_token}; copy it to every machine that joins")
+        token = new_token(args.new_token)
+        print(
+            f"wrote a new run token to {args.new_token}: copy it to every machine that joins; "
+            f"its coordinator key {token.key_file} stays on this machine"
+        )
         return 0
     if not args.token:
         raise ConfigError(

@@ -7,12 +7,14 @@ import hashlib
 import hmac
 import os
 import socket
+import ssl
 import stat
 import threading
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from helpers.tokens import OTHER_RUN, TOKEN, WRONG_SECRET, tls_connection
 
 from frugaltrain.cluster.auth import (
     TOKEN_BYTES,
@@ -25,10 +27,10 @@ from frugaltrain.cluster.auth import (
     server_handshake,
 )
 from frugaltrain.cluster.gateway import Gateway, StoreTunnel
+from frugaltrain.cluster.tls import PIN_PREFIX
 from frugaltrain.config import ConfigError
 
-TOKEN = bytes(range(TOKEN_BYTES))
-OTHER = bytes(reversed(range(TOKEN_BYTES)))
+SECRET, OTHER = TOKEN.secret, WRONG_SECRET.secret  # for the token handshake alone
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -95,19 +97,32 @@ def _raw(gw: Gateway) -> socket.socket:
     return socket.create_connection(("127.0.0.1", gw.port), timeout=10)
 
 
+def _in_tls(gw: Gateway):
+    """A connection that passed TLS with the right pin: the token handshake is the test's."""
+    return tls_connection(gw.port)
+
+
 # ---- token files
 def test_new_token_is_private_and_never_overwritten(tmp_path):
     path = tmp_path / "run.token"
-    new_token(path)
+    token = new_token(path)
     text = path.read_text()
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert len(text.strip()) == 64 and text.endswith("\n")
-    assert len(read_token(path)) == TOKEN_BYTES
+    key_file = tmp_path / "run.token.key"
+    assert token.key_file == key_file
+    for f in (path, key_file):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    secret, pin = text.split()
+    assert len(secret) == 64 and pin.startswith(PIN_PREFIX) and text.endswith("\n")
+    assert read_token(path) == token and len(token.secret) == TOKEN_BYTES
+    pem = key_file.read_text()
+    der = ssl.PEM_cert_to_DER_cert(pem[pem.index("-----BEGIN CERTIFICATE-----") :])
+    assert hashlib.sha256(der).digest() == token.pin  # the file pins the key file's certificate
+    assert "PRIVATE KEY" in pem and "PRIVATE KEY" not in text
     with pytest.raises(ConfigError, match="never overwritten") as e:
         new_token(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
-    assert path.read_text() == text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.token"]  # no temp file left
+    assert path.read_text() == text and key_file.read_text() == pem
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.token", "run.token.key"]
 
 
 def test_read_token_errors_name_the_file_and_the_fix(tmp_path):
@@ -116,13 +131,22 @@ def test_read_token_errors_name_the_file_and_the_fix(tmp_path):
         read_token(missing)
     assert str(missing) in str(e.value)
 
-    bad = tmp_path / "bad.token"
-    fd = os.open(bad, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.write(fd, b"abc123\n")
-    os.close(fd)
+    def private(name: str, text: bytes):
+        path = tmp_path / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, text)
+        os.close(fd)
+        return path
+
+    bad = private("bad.token", b"abc123\n")
     with pytest.raises(ConfigError, match="64 hex") as e:
         read_token(bad)
     assert str(bad) in str(e.value)
+
+    unpinned = private("old.token", TOKEN.secret.hex().encode() + b"\n")  # the secret alone
+    with pytest.raises(ConfigError, match="pins no coordinator certificate.*--new-token") as e:
+        read_token(unpinned)
+    assert str(unpinned) in str(e.value)
 
     shared = tmp_path / "shared.token"
     new_token(shared)
@@ -130,6 +154,25 @@ def test_read_token_errors_name_the_file_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="chmod 600") as e:
         read_token(shared)
     assert str(shared) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_coordinator_key_file_is_checked_before_it_listens(tmp_path):
+    token = new_token(tmp_path / "run.token")
+    token.server_context()  # the pair as written
+
+    other = new_token(tmp_path / "other.token")
+    os.replace(other.key_file, token.key_file)  # another run's key beside this token
+    with pytest.raises(ConfigError, match="is not the certificate that token file") as e:
+        token.server_context()
+    assert str(token.key_file) in str(e.value) and "--new-token" in str(e.value)
+
+    token.key_file.chmod(0o644)
+    with pytest.raises(ConfigError, match=f"chmod 600 {token.key_file}"):
+        Gateway("127.0.0.1", 0, token, ("127.0.0.1", 9), lambda r, c: None)
+
+    token.key_file.unlink()  # a machine that joins has the token file only
+    with pytest.raises(ConfigError, match="key file .* does not exist.*stays on the coordinator"):
+        token.server_context()
 
 
 # ---- the handshake
@@ -154,16 +197,16 @@ def _handshake_pair(client_token: bytes, server_token: bytes):
 
 
 def test_handshake_gives_both_sides_the_same_session_key():
-    a, b, got = _handshake_pair(TOKEN, TOKEN)
+    a, b, got = _handshake_pair(SECRET, SECRET)
     assert got["key"] == got["client"] and len(got["key"]) == 32
-    _, _, again = _handshake_pair(TOKEN, TOKEN)
+    _, _, again = _handshake_pair(SECRET, SECRET)
     assert again["key"] != got["key"]  # fresh nonces, fresh key
     for s in (a, b):
         s.close()
 
 
 def test_wrong_token_is_refused_on_both_sides():
-    a, b, got = _handshake_pair(OTHER, TOKEN)
+    a, b, got = _handshake_pair(OTHER, SECRET)
     assert got["refused"] == "wrong token"
     assert "refused this machine: wrong token" in got["client_refused"]
     assert "--token FILE" in got["client_refused"]
@@ -183,7 +226,7 @@ def test_fake_server_without_the_token_is_refused_by_the_client():
     t = threading.Thread(target=fake)
     t.start()
     with pytest.raises(Refused, match="did not prove the run token"):
-        client_handshake(a, TOKEN, timeout_s=5)
+        client_handshake(a, SECRET, timeout_s=5)
     t.join()
     a.close()
     b.close()
@@ -192,18 +235,18 @@ def test_fake_server_without_the_token_is_refused_by_the_client():
 def test_silent_server_is_refused_by_the_client():
     a, b = socket.socketpair()
     with pytest.raises(Refused, match="no handshake within 0.2 s"):
-        client_handshake(a, TOKEN, timeout_s=0.2)
+        client_handshake(a, SECRET, timeout_s=0.2)
     a.close()
     b.close()
 
 
-# ---- the gateway refuses without a token, and nothing reaches the store
+# ---- the gateway refuses without TLS and the token, and nothing reaches the store
 def test_wrong_token_through_the_gateway_gets_one_line_and_no_store(gated):
     gw, backend, lines, _ = gated
     with pytest.raises(Refused, match="wrong token"):
-        connect("127.0.0.1", gw.port, OTHER)
+        connect("127.0.0.1", gw.port, WRONG_SECRET)
 
-    sock = _raw(gw)
+    sock = _in_tls(gw)
     challenge = _read_line(sock)
     nonce_s = bytes.fromhex(challenge.split()[1].decode())
     nonce_c = os.urandom(32)
@@ -220,10 +263,34 @@ def test_wrong_token_through_the_gateway_gets_one_line_and_no_store(gated):
     assert backend.accepted == 0
 
 
+def test_a_token_of_another_run_is_refused_by_the_pin_before_the_token(gated):
+    gw, backend, _, _ = gated
+    with pytest.raises(Refused, match="certificate the token file does not pin") as e:
+        connect("127.0.0.1", gw.port, OTHER_RUN)
+    assert f"127.0.0.1:{gw.port}" in str(e.value) and "\n" not in str(e.value)
+    gw.close()
+    assert backend.accepted == 0
+
+
 @pytest.mark.parametrize("send", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 2000, b""])
-def test_garbage_or_silence_is_refused(gated, send):
+def test_garbage_or_silence_before_tls_is_refused(gated, send):
     gw, backend, lines, _ = gated
     sock = _raw(gw)
+    sock.sendall(send)
+    rest = _read_all(sock)
+    sock.close()
+    assert b"FTAUTH1" not in rest and b"REFUSED" not in rest  # at most a TLS alert
+    gw.close()
+    why = "no TLS handshake within 0.5 s" if not send else "no TLS handshake: "
+    assert len(gw.refused) == 1 and gw.refused[0][1].startswith(why)
+    assert len(lines) == 1 and lines[0].startswith("refused ")
+    assert backend.accepted == 0
+
+
+@pytest.mark.parametrize("send", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 2000, b""])
+def test_garbage_or_silence_inside_tls_is_refused(gated, send):
+    gw, backend, lines, _ = gated
+    sock = _in_tls(gw)
     challenge = _read_line(sock)
     sock.sendall(send)
     rest = _read_all(sock)
@@ -239,51 +306,133 @@ def test_garbage_or_silence_is_refused(gated, send):
     assert backend.accepted == 0
 
 
-def test_replayed_handshake_is_refused(gated):
-    """A man in the middle records a real client's bytes and plays them on a new connection."""
-    gw, backend, lines, served = gated
-    relay = socket.create_server(("127.0.0.1", 0))
-    recorded = bytearray()
+class _Relay:
+    """A man in the middle: passes bytes both ways between a client and the gateway, records
+    what the client sent, and may add bytes of its own towards the gateway."""
 
-    def mitm() -> None:
-        client, _ = relay.accept()
-        upstream = _raw(gw)
-        client.settimeout(10)
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.up = bytearray()  # client -> gateway, as sent
+        self.down = bytearray()  # gateway -> client
+        self.inject: tuple[int, bytes] | None = None  # after this many bytes up, these
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        client, _ = self.server.accept()
+        upstream = _raw(self.gw)
+        for s in (client, upstream):
+            s.settimeout(20)
 
         def down() -> None:
-            while data := upstream.recv(4096):
-                client.sendall(data)
-            client.shutdown(socket.SHUT_WR)
+            try:
+                while data := upstream.recv(4096):
+                    self.down.extend(data)
+                    client.sendall(data)
+                client.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
 
         t = threading.Thread(target=down)
         t.start()
-        while data := client.recv(4096):
-            recorded.extend(data)
-            upstream.sendall(data)
-        upstream.shutdown(socket.SHUT_WR)
+        try:
+            while data := client.recv(4096):
+                self.up.extend(data)
+                upstream.sendall(data)
+                if self.inject and len(self.up) >= self.inject[0]:
+                    upstream.sendall(self.inject[1])
+                    self.inject = None
+            upstream.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
         t.join()
         client.close()
         upstream.close()
 
-    t = threading.Thread(target=mitm)
-    t.start()
-    channel = connect("127.0.0.1", relay.getsockname()[1], TOKEN)
+    def close(self) -> None:
+        self.thread.join(20)
+        self.server.close()
+
+
+def test_replayed_handshake_is_refused(gated):
+    """A man in the middle records a real client's bytes and plays them on a new connection:
+    TLS's fresh randoms make the recording worthless (and the token handshake inside would
+    refuse it as a replay too, test_a_replayed_token_response_is_refused)."""
+    gw, backend, lines, served = gated
+    relay = _Relay(gw)
+    channel = connect("127.0.0.1", relay.port, TOKEN)
     channel.send({"want": "config"})
     assert channel.recv(timeout_s=10) == {"reply": "config"}
     channel.close()
-    t.join()
     relay.close()
     assert served == [{"want": "config"}] and not gw.refused
 
     sock = _raw(gw)
-    _read_line(sock)
-    sock.sendall(bytes(recorded))
-    rest = _read_all(sock)
+    sock.sendall(bytes(relay.up))
+    _read_all(sock)
     sock.close()
+    gw.close()
+    assert len(gw.refused) == 1 and gw.refused[0][1].startswith("no TLS handshake")
+    assert served == [{"want": "config"}] and backend.accepted == 0
+
+
+def test_a_replayed_token_response_is_refused(gated):
+    """Inside TLS, the token handshake on its own: a response recorded on one connection is a
+    wrong HMAC on the next, whose challenge has a fresh nonce."""
+    gw, backend, _, served = gated
+    first = _in_tls(gw)
+    nonce_s = bytes.fromhex(_read_line(first).split()[1].decode())
+    nonce_c = os.urandom(32)
+    proof = _mac(SECRET, b"client", nonce_s, nonce_c)
+    response = nonce_c.hex().encode() + b" " + proof.hex().encode()
+    first.sendall(response + b"\n")
+    assert _read_line(first).startswith(b"OK ")
+    first.close()
+
+    again = _in_tls(gw)
+    _read_line(again)
+    again.sendall(response + b"\n")
+    rest = _read_all(again)
+    again.close()
     assert rest == b"REFUSED wrong token\n"
     gw.close()
     assert [reason for _, reason in gw.refused] == ["wrong token"]
-    assert served == [{"want": "config"}] and backend.accepted == 0
+    assert backend.accepted == 0
+
+
+def test_an_on_path_relay_can_neither_read_nor_inject_store_bytes():
+    """Between a machine's store tunnel and the gateway, a relay passes everything through and
+    then slips a TCPStore SET into the stream: the TLS record check drops the connection, the
+    store never applies it, and the relay's recording holds none of the keys or values."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lines = []
+    gw = Gateway("127.0.0.1", 0, TOKEN, ("127.0.0.1", store.port), lambda r, c: None, lines.append)
+    gw.start()
+    relay = _Relay(gw)
+    tunnel = StoreTunnel("127.0.0.1", relay.port, TOKEN, log=lines.append).start()
+    key, value = b"plain-key-5f3e", b"plain-value-9c1d"
+    forged = bytes([2]) + (6).to_bytes(8, "little") + b"forged" + (1).to_bytes(8, "little") + b"1"
+    try:
+        client = dist.TCPStore(
+            "127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=10)
+        )
+        client.set(key.decode(), value)
+        assert store.get(key.decode()) == value
+        relay.inject = (len(relay.up) + 1, forged)  # with the client's next bytes
+        with pytest.raises((RuntimeError, dist.DistStoreError)):
+            client.set("after", "1")
+            client.get("after")
+        del client
+    finally:
+        tunnel.close()
+        relay.close()
+        gw.close()
+    assert not store.check(["forged"])
+    assert any(line.startswith("dropped ") and "TLS" in line for line in lines), lines
+    wire = bytes(relay.up) + bytes(relay.down)
+    assert key not in wire and value not in wire and b"forged" not in wire[: -len(forged)]
 
 
 def test_tcpstore_client_straight_at_the_gateway_fails():
@@ -305,13 +454,13 @@ def test_tcpstore_client_straight_at_the_gateway_fails():
         gw.close()
     assert store.num_keys() == before and store.get("kept") == b"1"
     assert not store.check(["intruder"])
-    assert gw.refused and all(r.startswith("no token") for _, r in gw.refused)
+    assert gw.refused and all(r.startswith("no TLS handshake") for _, r in gw.refused)
     assert all(line.startswith("refused ") for line in lines)
 
 
 # ---- the channel
 def _channels() -> tuple[Channel, Channel, socket.socket, socket.socket]:
-    a, b, got = _handshake_pair(TOKEN, TOKEN)
+    a, b, got = _handshake_pair(SECRET, SECRET)
     return Channel(a, got["client"], client=True), Channel(b, got["key"], client=False), a, b
 
 

@@ -20,6 +20,7 @@ import struct
 import threading
 
 import pytest
+from helpers.tokens import TOKEN, tls_connection
 
 from frugaltrain.cluster import keys, rendezvous_json
 from frugaltrain.cluster.auth import Channel
@@ -27,7 +28,6 @@ from frugaltrain.cluster.coordinator import COORDINATOR_STATE, Coordinator
 from frugaltrain.cluster.store import MAGIC, Query
 from frugaltrain.metrics.log import read_metrics
 
-TOKEN = bytes(range(32))
 PEER = "10.0.0.7:40000"
 RDZV_STATE = f"{keys.RENDEZVOUS}/{rendezvous_json.state_key(rendezvous_json.RUN_ID)}"
 
@@ -365,7 +365,7 @@ def test_a_log_that_cannot_be_written_leaks_no_socket(coord):
     log = coord.run_dir / "coordinator.log"
     log.unlink()
     log.mkdir()
-    with socket.create_connection(("127.0.0.1", coord.port), timeout=10) as s:
+    with tls_connection(coord.port) as s:
         s.sendall(b"no token\n")
         got = b""
         while chunk := s.recv(4096):

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.tokens import TOKEN, tls_connection
 
 from frugaltrain.cluster import gateway
-from frugaltrain.cluster.auth import TOKEN_BYTES, Channel, Refused, client_handshake, connect
+from frugaltrain.cluster.auth import Channel, client_handshake, connect
 from frugaltrain.cluster.gateway import Gateway, StoreTunnel, peer_uid
-
-TOKEN = bytes(range(TOKEN_BYTES))
+from frugaltrain.cluster.tls import TlsError
 
 
 def _echo(request: dict, channel: Channel) -> None:
@@ -42,9 +42,9 @@ def _gateway(lines: list[str], handshake_timeout_s: float) -> Gateway:
 
 def _join(port: int, source: str = "127.0.0.1") -> dict:
     """A token holder's handshake and one request, from the local address `source`."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+    sock = tls_connection(port, timeout_s=30, source=source)
     try:
-        channel = Channel(sock, client_handshake(sock, TOKEN, 30), client=True)
+        channel = Channel(sock, client_handshake(sock, TOKEN.secret, 30), client=True)
         channel.send({"want": "config"})
         return channel.recv(timeout_s=30)
     finally:
@@ -88,11 +88,12 @@ _OUT_OF_FILES = textwrap.dedent(
     """
     import os, resource, sys
     from frugaltrain.cluster import gateway
+    from frugaltrain.cluster.auth import read_token
 
     gateway.MAX_PENDING = gateway.MAX_PENDING_PER_ADDRESS = 10_000  # files run out first
     echo = lambda request, channel: channel.send({"echo": request.get("want")})
     gw = gateway.Gateway(
-        "127.0.0.1", 0, bytes(range(32)), ("127.0.0.1", 9), echo,
+        "127.0.0.1", 0, read_token(sys.argv[1]), ("127.0.0.1", 9), echo,
         lambda line: print(line, flush=True), handshake_timeout_s=60,
     ).start()
     # room for 8 more files: the test's 40 idle connections use them up
@@ -113,7 +114,7 @@ def test_out_of_files_the_gateway_goes_on_accepting():
     (EMFILE) for good. Here a gateway with room for 8 more files gets 40: accept() fails, the
     loop backs off, and once the idle connections leave, a token holder gets in."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _OUT_OF_FILES],
+        [sys.executable, "-c", _OUT_OF_FILES, str(TOKEN.path)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -190,18 +191,17 @@ def test_connections_over_the_caps_are_closed_unread(lines, monkeypatch):
     idle = []
     try:
         idle += [_idle(gw.port) for _ in range(5)]
-        firsts = [_first_line(s) for s in idle]  # accepted in the order they connected
-        assert [x.startswith(b"FTAUTH1 ") for x in firsts] == [True] * 3 + [False] * 2
-        assert firsts[3:] == [b"", b""]  # closed at once, nothing sent and nothing read
+        # accepted in the order they connected: the last two closed at once, unread
+        assert [_first_line(s) for s in idle[3:]] == [b"", b""]
         assert gw.pending == 3 and gw.turned_away == 2
+        assert not select.select(idle[:3], [], [], 0)[0]  # held: the TLS handshake waits
 
         assert _join(gw.port, "127.0.0.2") == {"echo": "config"}  # another address gets in
         _until(lambda: gw.pending == 3)  # and is no longer pending once authenticated
         idle += [_idle(gw.port, "127.0.0.2") for _ in range(2)]
-        assert all(_first_line(s).startswith(b"FTAUTH1 ") for s in idle[5:])
-        assert gw.pending == 5  # the overall cap
+        _until(lambda: gw.pending == 5)  # the overall cap
 
-        with pytest.raises(Refused, match="not a coordinator"):  # EOF before any challenge
+        with pytest.raises(TlsError, match="closed the connection"):  # EOF, no TLS
             _join(gw.port, "127.0.0.3")
         assert gw.turned_away == 3
 
@@ -229,11 +229,11 @@ def test_the_per_address_cap_counts_an_ipv6_64_as_one_source():
 
 
 # ---- the handshake deadline holds for a peer that trickles bytes
-def _trickle(port: int, period_s: float, give_up_s: float) -> tuple[bytes, float]:
+def _trickle(sock, period_s: float, give_up_s: float) -> tuple[bytes, float]:
     """Send a byte every `period_s` (never a newline) until the gateway's socket is gone (a
     send or read fails: it was closed, not just shut for writing); what it sent back, and the
-    seconds from connecting until then."""
-    sock = _idle(port)
+    seconds from the start until then. `sock`: a socket, or a TLS connection over one."""
+    raw = getattr(sock, "sock", sock)
     start = time.monotonic()
     got = b""
     shut = False  # the gateway sent EOF; it may still be reading (the drain after a refusal)
@@ -243,7 +243,7 @@ def _trickle(port: int, period_s: float, give_up_s: float) -> tuple[bytes, float
             if shut:
                 time.sleep(period_s)
                 continue
-            if select.select([sock], [], [], period_s)[0]:
+            if select.select([raw], [], [], period_s)[0]:
                 chunk = sock.recv(4096)
                 got += chunk
                 shut = not chunk
@@ -254,28 +254,39 @@ def _trickle(port: int, period_s: float, give_up_s: float) -> tuple[bytes, float
         sock.close()
 
 
-def test_a_trickling_peer_is_cut_off_at_the_handshake_deadline(lines, monkeypatch):
-    """One byte per 0.2 s extends no timeout: the handshake is refused at its deadline and the
-    drain after the refusal ends there too (DRAIN_S made long to show that the deadline bounds
-    it). Before, the drain read up to 16 times with 1 s each, so such a peer held the thread
-    3.2 s more here and up to 16 s more by default."""
+_TLS_RECORD_HEAD = bytes([0x16, 0x03, 0x01, 0x40, 0x00])  # a handshake record of 16 KiB
+
+
+@pytest.mark.parametrize("layer", ["tls", "token"])
+def test_a_trickling_peer_is_cut_off_at_the_handshake_deadline(lines, monkeypatch, layer):
+    """One byte per 0.2 s extends no timeout, in the TLS handshake (a record that never ends)
+    or in the token handshake inside TLS: refused at the deadline, and the drain after the
+    refusal ends there too (DRAIN_S made long to show that the deadline bounds it). Before,
+    the drain read up to 16 times with 1 s each, so such a peer held the thread 3.2 s more
+    here and up to 16 s more by default."""
     deadline_s = 1.5
     monkeypatch.setattr(gateway, "DRAIN_S", 60.0)
     gw = _gateway(lines, handshake_timeout_s=deadline_s)
     try:
-        got, elapsed_s = _trickle(gw.port, period_s=0.2, give_up_s=30)
+        if layer == "tls":
+            sock = _idle(gw.port)
+            sock.sendall(_TLS_RECORD_HEAD)
+        else:
+            sock = tls_connection(gw.port)
+        got, elapsed_s = _trickle(sock, period_s=0.2, give_up_s=30)
         _until(lambda: gw.pending == 0)
     finally:
         gw.close()
-    assert got.startswith(b"FTAUTH1 ")
-    assert got.endswith(
-        b"REFUSED no token (not a frugaltrain handshake): no handshake within 1.5 s\n"
-    )
-    assert [reason for _, reason in gw.refused] == [
-        "no token (not a frugaltrain handshake): no handshake within 1.5 s"
-    ]
+    if layer == "tls":
+        assert got == b""
+        reason = "no TLS handshake within 1.5 s (not a frugaltrain client)"
+    else:
+        assert got.startswith(b"FTAUTH1 ")
+        reason = "no token (not a frugaltrain handshake): no handshake within 1.5 s"
+        assert got.endswith(b"REFUSED " + reason.encode() + b"\n")
+    assert [r for _, r in gw.refused] == [reason]
     # closed at the deadline; the margin is for a loaded machine and the last 0.2 s byte
-    assert deadline_s <= elapsed_s < deadline_s + 2.5
+    assert deadline_s - 0.5 <= elapsed_s < deadline_s + 2.5
 
 
 def test_peer_uid_names_the_user_at_the_other_end():

@@ -5,6 +5,7 @@ under the local launcher; a machine without the run's token is refused and gets 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -83,18 +84,27 @@ def test_machines_equal_the_local_launcher_and_refuse_a_wrong_token(
     try:
         coord = run.start_coordinator()
         wait_for(lambda: "slots; machines join" in run.log(), "coordinator up", procs=[coord])
-        stranger = tmp_path / "other.token"
+        stranger = tmp_path / "other.token"  # another run's: its pin is not this coordinator
         new_token(stranger)
         refused = run.join("stranger", token=stranger)
         assert refused.wait(left(60)) == 2
-        assert "wrong token" in run.output("stranger")
+        assert "certificate the token file does not pin" in run.output("stranger")
+        guesser = tmp_path / "guess.token"  # this coordinator's pin, a guessed secret
+        pin = run.token.read_text().split()[1]
+        fd = os.open(guesser, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, f"{'ab' * 32}\n{pin}\n".encode())
+        os.close(fd)
+        refused = run.join("guesser", token=guesser)
+        assert refused.wait(left(60)) == 2
+        assert "wrong token" in run.output("guesser")
         a, b = run.join("a"), run.join("b")  # at once: they claim slots side by side
         for p in (a, b, coord):
             assert p.wait(left(240)) == 0, p.args
     finally:
         run.close()
-    assert run.log().count("refused") == 1 and "wrong token" in run.log()
-    assert not (tmp_path / "stranger").exists()  # it got no config, so it made nothing
+    assert run.log().count(": wrong token") == 1  # the stranger left after TLS: "no token"
+    assert not (tmp_path / "stranger").exists()  # no config, so nothing made
+    assert not (tmp_path / "guesser").exists()
     assert_equal_to(reference, run, [tmp_path / "a", tmp_path / "b"])
     assert (run.coord_dir / "summary.json").is_file()
 

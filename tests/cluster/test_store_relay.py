@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.tokens import TOKEN
 
-from frugaltrain.cluster.auth import TOKEN_BYTES, Channel
+from frugaltrain.cluster.auth import Channel
 from frugaltrain.cluster.gateway import Gateway, StoreTunnel
 from frugaltrain.cluster.store import StoreServer
-
-TOKEN = bytes(range(TOKEN_BYTES))
 
 
 def _no_control(request: dict, channel: Channel) -> None:

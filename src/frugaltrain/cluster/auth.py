@@ -1,9 +1,12 @@
 """Run tokens and the mutual challenge-response that guards a coordinator's public port.
 
-A run across machines has one shared secret, the run token: 32 random bytes kept as 64 hex
-characters in a file that only its owner can read (`new_token`, `read_token`). The TCPStore has
-no authentication, so the coordinator's store listens on no port, and every machine that joins
-proves the token to the coordinator's gateway first, without ever sending it:
+A run across machines has one token file, written by `frugaltrain coordinator --new-token`: the
+run's secret (32 random bytes as 64 hex characters) and, on a second line, the pin of the
+coordinator's TLS certificate (`sha256:` and 64 hex characters), mode 0600 (`new_token`,
+`read_token`). The certificate's key stays on the coordinator in a file beside it
+(`<token file>.key`, tls.py). Every connection to the coordinator's port is TLS 1.3 first,
+the client checking the certificate against the pin (tls.py); inside it, the machine proves
+the secret without ever sending it:
 
     server -> client    FTAUTH1 <nonce_s hex>\\n
     client -> server    <nonce_c hex> <HMAC(token, "client" + nonce_s + nonce_c) hex>\\n
@@ -13,18 +16,15 @@ proves the token to the coordinator's gateway first, without ever sending it:
 
 Each side picks a fresh 32-byte nonce, so a recorded response is useless on a new connection (a
 replay is a wrong HMAC), and the server proves the token back, so a fake coordinator without it
-is refused by the client too. The "client"/"server" prefixes keep one side's proof from being
-reflected as the other's. Lines are bounded and every read has a deadline: a silent or chatty
-peer costs one thread for at most `timeout_s`.
+is refused by the client too (as is one without the pinned certificate's key, before). The
+"client"/"server" prefixes keep one side's proof from being reflected as the other's. Lines are
+bounded and every read has a deadline: a silent or chatty peer costs one thread for at most
+`timeout_s`.
 
 After the handshake, `Channel` frames JSON messages with an HMAC under the session key and a
-sequence number per direction: a frame cannot be altered, replayed, reordered or sent back to its
-sender. Nothing is encrypted (the messages are config and slot numbers, not secrets). Nothing
-received is ever unpickled or eval'ed: only JSON, and raw bytes for the store.
-
-What this does not protect: once a connection is spliced to the TCPStore (gateway.py), its bytes
-carry no per-message MAC, so an attacker on the path could hijack the live TCP connection after
-the handshake. Run on a private network or a WireGuard tunnel when the path is not trusted.
+sequence number per direction (inside TLS this is a second lock on the same door; it keeps a
+frame's sender and order checked whatever carries it). Nothing received is ever unpickled or
+eval'ed: only JSON, and raw bytes for the store, which travel inside the same TLS connection.
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ import json
 import os
 import secrets
 import socket
+import ssl
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from frugaltrain.cluster import tls
 from frugaltrain.config import ConfigError
 
 TOKEN_BYTES = 32
@@ -61,28 +64,64 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 
 # ---- token files
-def new_token(path: str | Path) -> None:
-    """Write a fresh run token to `path`, mode 0600, atomically; never replace an existing one
-    (machines already holding the old token would be locked out of the run)."""
+@dataclass(frozen=True)
+class RunToken:
+    """What a token file holds: the run's secret, and the pin (sha256) of the coordinator's TLS
+    certificate. `path` is the file it was read from; the coordinator's key file lies beside it
+    (`key_file`), on the coordinator only."""
+
+    secret: bytes
+    pin: bytes
+    path: Path | None = None
+
+    @property
+    def key_file(self) -> Path:
+        if self.path is None:
+            raise ConfigError("this run token was not read from a file, so it has no key file")
+        return key_file_of(self.path)
+
+    def server_context(self) -> ssl.SSLContext:
+        """The coordinator's TLS context: its key file, checked against the pin."""
+        return tls.server_context(self.key_file, self.pin, self.path or "")
+
+
+def key_file_of(token_path: str | Path) -> Path:
+    """Where the coordinator keeps the key of the certificate that `token_path` pins."""
+    token_path = Path(token_path)
+    return token_path.with_name(token_path.name + ".key")
+
+
+def new_token(path: str | Path) -> RunToken:
+    """Write a fresh run token and a new coordinator certificate: the token file (the secret
+    and the certificate's pin, mode 0600, for every machine) and its key file (the key and the
+    certificate, mode 0600, for the coordinator only). Never replaces an existing token
+    (machines already holding it would be locked out of the run) or key."""
     path = Path(path)
+    exists = f"{path} exists; a run's token is never overwritten: remove it or choose another path"
     if path.exists():
+        raise ConfigError(exists)
+    key_path = key_file_of(path)
+    try:
+        pin = tls.new_identity(key_path)
+    except FileExistsError:
         raise ConfigError(
-            f"{path} exists; a run's token is never overwritten: remove it or choose another path"
-        )
+            f"{key_path} exists (the key of another token?): remove it or choose another path"
+        ) from None
+    secret = secrets.token_bytes(TOKEN_BYTES)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(TOKEN_BYTES) + "\n")
+            f.write(f"{secret.hex()}\n{tls.PIN_PREFIX}{pin.hex()}\n")
             f.flush()
             os.fsync(f.fileno())
         _publish(tmp, path)
     except FileExistsError:
-        raise ConfigError(
-            f"{path} exists; a run's token is never overwritten: remove it or choose another path"
-        ) from None
+        key_path.unlink(missing_ok=True)
+        raise ConfigError(exists) from None
     finally:
         tmp.unlink(missing_ok=True)
+    return RunToken(secret, pin, path)
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -98,12 +137,12 @@ def _publish(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
 
 
-def read_token(path: str | Path) -> bytes:
-    """The run token's 32 raw bytes; a one-line ConfigError naming the file and the fix."""
+def read_token(path: str | Path) -> RunToken:
+    """The run token in `path`; a one-line ConfigError naming the file and the fix."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
-        text = path.read_text(encoding="ascii", errors="replace").strip()
+        text = path.read_text(encoding="ascii", errors="replace")
     except FileNotFoundError:
         raise ConfigError(
             f"token file {path} does not exist: `frugaltrain coordinator --new-token {path}` "
@@ -116,12 +155,24 @@ def read_token(path: str | Path) -> bytes:
             f"token file {path} is readable by group or others (mode {stat.S_IMODE(mode):o}): "
             f"chmod 600 {path}"
         )
-    if len(text) != 2 * TOKEN_BYTES or not set(text.lower().encode()) <= _HEX:
+    lines = text.split()
+    secret = _hex_field(lines[0].lower().encode(), TOKEN_BYTES) if lines else None
+    if secret is None or len(lines) > 2:
         raise ConfigError(
             f"token file {path} does not hold a token ({2 * TOKEN_BYTES} hex characters): "
             f"write a new one with `frugaltrain coordinator --new-token FILE`"
         )
-    return bytes.fromhex(text)
+    pin_text = lines[1] if len(lines) == 2 else ""
+    pin = None
+    if pin_text.startswith(tls.PIN_PREFIX):
+        pin = _hex_field(pin_text[len(tls.PIN_PREFIX) :].lower().encode(), 32)
+    if pin is None:
+        raise ConfigError(
+            f"token file {path} pins no coordinator certificate (a second line "
+            f"{tls.PIN_PREFIX}<64 hex characters>): write a new token and key with "
+            "`frugaltrain coordinator --new-token FILE`"
+        )
+    return RunToken(secret, pin, path)
 
 
 # ---- the handshake
@@ -171,13 +222,16 @@ def _check_response(line: bytes | None, token: bytes, nonce_s: bytes) -> bytes:
     return nonce_c
 
 
-def server_handshake(sock: socket.socket, token: bytes, timeout_s: float = 10.0) -> bytes:
-    """Challenge the peer; the session key if it proves the token. On failure the peer gets one
-    `REFUSED <reason>` line, our side stops writing, and Refused is raised (the caller closes)."""
-    deadline = time.monotonic() + timeout_s
+def server_handshake(
+    sock: socket.socket, token: bytes, timeout_s: float = 10.0, *, deadline: float | None = None
+) -> bytes:
+    """Challenge the peer; the session key if it proves the token by `deadline` (default:
+    `timeout_s` from now). On failure the peer gets one `REFUSED <reason>` line, our side
+    stops writing, and Refused is raised (the caller closes)."""
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     nonce_s = secrets.token_bytes(NONCE_BYTES)
     try:
-        sock.settimeout(timeout_s)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.sendall(_MAGIC + b" " + nonce_s.hex().encode() + b"\n")
         nonce_c = _check_response(_read_line(sock, deadline), token, nonce_s)
         sock.sendall(b"OK " + _mac(token, b"server", nonce_c, nonce_s).hex().encode() + b"\n")
@@ -309,19 +363,31 @@ class Channel:
             pass
 
 
-def connect(host: str, port: int, token: bytes, timeout_s: float = 10.0) -> Channel:
-    """Connect to a coordinator's gateway and prove the run token; the authenticated channel."""
+def connect(host: str, port: int, token: RunToken, timeout_s: float = 10.0) -> Channel:
+    """Connect to a coordinator's gateway: TLS with its certificate checked against the token
+    file's pin, then the token proved inside it; the authenticated channel."""
+    where = f"{host}:{port}"
     try:
-        sock = socket.create_connection((host, port), timeout=timeout_s)
+        raw = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as e:
         raise ConnectionError(
-            f"cannot reach the coordinator at {host}:{port}: {e.strerror or e}; "
+            f"cannot reach the coordinator at {where}: {e.strerror or e}; "
             "is it running, and is the port open?"
         ) from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    deadline = time.monotonic() + timeout_s
     try:
-        key = client_handshake(sock, token, timeout_s, peer=f"{host}:{port}")
-    except Refused:
-        sock.close()
+        sock = tls.open_client(raw, token.pin, deadline, f"the coordinator at {where}")
+        key = client_handshake(sock, token.secret, deadline - time.monotonic(), peer=where)
+    except tls.TlsError as e:
+        raw.close()
+        raise Refused(str(e)) from None
+    except TimeoutError:
+        raw.close()
+        raise Refused(
+            f"the coordinator at {where} sent no handshake within {timeout_s:g} s"
+        ) from None
+    except (Refused, OSError):
+        raw.close()
         raise
-    return Channel(sock, key, client=True, peer=f"{host}:{port}")
+    return Channel(sock, key, client=True, peer=where)

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from frugaltrain.cluster import keys
-from frugaltrain.cluster.auth import Channel, Refused, read_token
+from frugaltrain.cluster.auth import Channel, Refused, RunToken, read_token
 from frugaltrain.cluster.gateway import Gateway
 from frugaltrain.cluster.metrics_relay import MetricsRelay
 from frugaltrain.cluster.run_dir import new_run_dir
@@ -256,7 +256,13 @@ class Coordinator:
     every slot's workers have finished training."""
 
     def __init__(
-        self, cfg: Config, run_dir: Path, token: bytes, bind: str, port: int, resume: bool = False
+        self,
+        cfg: Config,
+        run_dir: Path,
+        token: RunToken,
+        bind: str,
+        port: int,
+        resume: bool = False,
     ) -> None:
         self.cfg, self.run_dir, self.token = cfg, run_dir, token
         self.bind, self.port = bind, port
@@ -733,6 +739,7 @@ def run_coordinator(
     summary. Every check (token, config) comes before the port opens. With `resume` (the
     coordinator's run directory), the port and the slots' machines come from its state file."""
     token = read_token(token_path)
+    token.server_context()  # its key file, checked before anything starts
     cfg, run_dir = coordinator_config(config_path, overrides, resume)
     state = run_dir / COORDINATOR_STATE
     if port is None:

@@ -3,9 +3,9 @@
 The coordinator's store listens on no port: TCPStore has no authentication, and anyone who can
 reach it can rewrite the run's state. The public port is a `Gateway`, which hands each
 authenticated store connection to the store in process (or, in tests, connects to a store's
-address). Each
-connection to it must pass `auth.server_handshake` first; one that does not is logged in one line
-and closed, and it never gets a byte past the `REFUSED` line, nor a connection to the store.
+address). Each connection to it must pass TLS and then `auth.server_handshake` first; one that
+does not is logged in one line and closed, and it never gets a byte past the `REFUSED` line,
+nor a connection to the store.
 
 An authenticated peer's first framed message says what it wants:
 
@@ -21,9 +21,10 @@ spliced once `{"want": "store"}` is sent. With `hold_s` > 0 it reads the store p
 splicing, so that a client's connection outlives a coordinator restart: requests wait while the
 gateway is away and are replayed once it is back, each mutation applied once (`StoreTunnel`).
 
-Not protected: spliced store bytes carry no MAC and no encryption, so an attacker on the network
-path could hijack a live connection after its handshake. Run on a private network or WireGuard
-when the path is not trusted.
+Every byte on the gateway's port travels inside TLS 1.3 (tls.py), the store's included: an
+attacker on the network path can neither read the store's keys and values nor slip bytes in (a
+record that fails its check ends the connection, logged as "dropped"). The store tunnel's side
+towards its own workers is loopback, for this user's processes only.
 
 What a flood of connections costs: each connection not yet authenticated holds a thread and a
 file until its handshake ends, refusal included, `handshake_timeout_s` after it began at the
@@ -47,7 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from frugaltrain.cluster.auth import Channel, Refused, connect, server_handshake
+from frugaltrain.cluster import tls
+from frugaltrain.cluster.auth import Channel, Refused, RunToken, connect, server_handshake
 from frugaltrain.cluster.store import (
     MAGIC,
     MUTATIONS,
@@ -63,6 +65,7 @@ from frugaltrain.cluster.store import (
     start_thread,
     tagged,
 )
+from frugaltrain.cluster.tls import TlsSocket
 
 _CHUNK = 1 << 16
 # Connections in the handshake at once. Each holds a thread and a file for up to
@@ -85,25 +88,28 @@ def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
         pass  # already closed or reset
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src, dst, note: Callable[[str], None]) -> None:
     """Copy src to dst until src ends, then end dst's write side; an error ends both sockets
-    (so the other direction's pump wakes up too)."""
+    (so the other direction's pump wakes up too), and a broken TLS record is noted."""
     try:
         while data := src.recv(_CHUNK):
             dst.sendall(data)
         _shutdown(dst, socket.SHUT_WR)
-    except OSError:
+    except OSError as e:
+        if isinstance(e, tls.TlsError):
+            note(str(e))
         _shutdown(src)
         _shutdown(dst)
 
 
-def splice(a: socket.socket, b: socket.socket) -> None:
-    """Carry raw bytes both ways between a and b until both directions end, then close both."""
+def splice(a, b, note: Callable[[str], None] = lambda why: None) -> None:
+    """Carry raw bytes both ways between a and b (sockets, or TLS connections) until both
+    directions end, then close both. `note` hears why a TLS connection broke."""
     for s in (a, b):
         s.settimeout(None)
-    back = threading.Thread(target=_pump, args=(b, a), daemon=True, name="splice")
+    back = threading.Thread(target=_pump, args=(b, a, note), daemon=True, name="splice")
     back.start()
-    _pump(a, b)
+    _pump(a, b, note)
     back.join()
     a.close()
     b.close()
@@ -123,6 +129,13 @@ def _close_refused(sock: socket.socket, deadline: float) -> None:
     except OSError:
         pass
     sock.close()
+
+
+def _no_tls(e: OSError, timeout_s: float) -> str:
+    """Why a connection that failed in its TLS handshake is refused."""
+    if isinstance(e, TimeoutError):
+        return f"no TLS handshake within {timeout_s:g} s (not a frugaltrain client)"
+    return f"no TLS handshake: {e.strerror or e}"
 
 
 def _source(host: str) -> str:
@@ -298,7 +311,7 @@ class Gateway(_Server):
         self,
         bind: str,
         port: int,
-        token: bytes,
+        token: RunToken,
         store: tuple[str, int] | Callable[[], socket.socket],
         serve: Callable[[dict, Channel], None],
         log: Callable[[str], None] = print,
@@ -311,6 +324,7 @@ class Gateway(_Server):
         self.handshake_timeout_s = handshake_timeout_s
         self.refused: list[tuple[str, str]] = []  # (peer, reason), in order
         self._token = token
+        self._tls = token.server_context()  # before any connection: a missing key fails here
         self._gate = _Pending(log)
         super().__init__(self._gate)
 
@@ -328,32 +342,39 @@ class Gateway(_Server):
         """Connections closed unread for being over MAX_PENDING or MAX_PENDING_PER_ADDRESS."""
         return self._gate.turned_away
 
-    def _authenticate(self, conn: socket.socket, peer: str) -> bytes | None:
-        """The session key, or None with the peer refused and its connection closed, all by
-        `handshake_timeout_s` after it started; it counts as pending until then."""
+    def _authenticate(self, conn: socket.socket, peer: str) -> tuple[TlsSocket, bytes] | None:
+        """TLS, then the token: the TLS connection and the session key, or None with the peer
+        refused and its connection closed, all by `handshake_timeout_s` after it started; it
+        counts as pending until then."""
         deadline = time.monotonic() + self.handshake_timeout_s
+        sock: socket.socket | TlsSocket = conn
         try:
-            return server_handshake(conn, self._token, self.handshake_timeout_s)
-        except Refused as e:
-            self.refused.append((peer, str(e)))
+            sock = tls.accept(conn, self._tls, deadline)
+            timeout_s = self.handshake_timeout_s
+            return sock, server_handshake(sock, self._token.secret, timeout_s, deadline=deadline)
+        except (Refused, tls.TlsError, TimeoutError, OSError) as e:
+            timeout_s = self.handshake_timeout_s
+            reason = str(e) if isinstance(e, (Refused, tls.TlsError)) else _no_tls(e, timeout_s)
+            self.refused.append((peer, reason))
             try:
-                self.log(f"refused {peer}: {e}")
+                self.log(f"refused {peer}: {reason}")
             finally:  # a log that fails never leaks the socket
-                _close_refused(conn, min(deadline, time.monotonic() + DRAIN_S))
+                _close_refused(sock, min(deadline, time.monotonic() + DRAIN_S))
                 self._sockets.discard(conn)
             return None
         finally:
             self._gate.release(peer.rsplit(":", 1)[0])
 
     def _handle(self, conn: socket.socket, peer: str) -> None:
-        key = self._authenticate(conn, peer)
-        if key is None:
+        authenticated = self._authenticate(conn, peer)
+        if authenticated is None:
             return
-        channel = Channel(conn, key, client=False, peer=peer)
+        sock, key = authenticated
+        channel = Channel(sock, key, client=False, peer=peer)
         try:
             request = channel.recv(timeout_s=self.handshake_timeout_s)
             if request.get("want") == "store":
-                self._splice_store(conn, peer)
+                self._splice_store(sock, peer)
             else:
                 self.serve(request, channel)
         except (OSError, Refused) as e:  # ConnectionError and TimeoutError are OSErrors
@@ -364,7 +385,7 @@ class Gateway(_Server):
             self._sockets.discard(conn)
             channel.close()
 
-    def _splice_store(self, conn: socket.socket, peer: str) -> None:
+    def _splice_store(self, conn: TlsSocket, peer: str) -> None:
         try:
             store = self._open_store()
         except OSError as e:
@@ -374,7 +395,7 @@ class Gateway(_Server):
             store.close()
             return
         try:
-            splice(conn, store)
+            splice(conn, store, lambda why: self.log(f"dropped {peer}: {why}"))
         finally:
             self._sockets.discard(store)
 
@@ -457,7 +478,7 @@ class StoreTunnel(_Server):
         self,
         host: str,
         port: int,
-        token: bytes,
+        token: RunToken,
         timeout_s: float = 10.0,
         log: Callable[[str], None] = print,
         hold_s: float = 0.0,
