@@ -66,13 +66,17 @@ def test_machines_killed_joining_and_cut_off(config_factory, tmp_path):
                 wait_for(lambda line=line: line in run.log(), f"{name} joined", procs=[coord])
             wait_for(lambda: rounds_logged(run) >= 4, "round 4", procs=[coord])
             lab.kill(1)  # a machine lost whole
-            wait_for(lambda: "lost (connection closed)" in run.log(), "slot 0 freed", procs=[coord])
+            wait_for(
+                lambda: "lost (connection closed): slots [0]" in run.log(),
+                "slot 0 freed",
+                procs=[coord],
+            )
             agents["late"] = run.join("late", prefix=machine(lab, 4), host=lab.addr(0))
             wait_for(lambda: run.log().count("joined: slots [0]") == 2, "late in", procs=[coord])
             at = rounds_logged(run)
             wait_for(lambda: rounds_logged(run) >= at + 3, "3 rounds with it", procs=[coord])
             lab.set_link(3, up=False)  # machine b cut off
-            wait_for(lambda: "lost (silent)" in run.log(), "slot 2 freed", procs=[coord])
+            wait_for(lambda: "lost (silent): slots [2]" in run.log(), "slot 2 freed", procs=[coord])
             lab.set_link(3, up=True)
             wait_for(lambda: run.log().count("joined: slots [2]") == 2, "b back", procs=[coord])
             for name in ("a", "b", "late"):

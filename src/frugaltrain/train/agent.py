@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from frugaltrain import processes
 from frugaltrain.cluster import run_store
-from frugaltrain.cluster.auth import Channel, Refused, connect, read_token
+from frugaltrain.cluster.auth import Channel, Refused, RunToken, connect, read_token
 from frugaltrain.cluster.coordinator import LEASE_S, PING_S
 from frugaltrain.cluster.gateway import StoreTunnel
 from frugaltrain.cluster.run_dir import new_run_dir
@@ -104,7 +105,7 @@ class Agent:
     slots come back from it, and its workers from its checkpoints)."""
 
     def __init__(
-        self, address: str, token: bytes, workers: int, run_dir: str | None, resume: bool = False
+        self, address: str, token: RunToken, workers: int, run_dir: str | None, resume: bool = False
     ) -> None:
         self.host, self.port = parse_address(address)
         self.token, self.workers = token, workers
@@ -194,12 +195,28 @@ class Agent:
         return build_config(Config, to_dict(cfg), [f"run.threads={max(1, cpus() // here)}"])
 
     def _prepare(self) -> None:
-        """The checks a local run makes, on this machine's model and data, then the run dir."""
+        """The checks a local run makes, on this machine's model and data, then the run dir.
+        They may take longer than LEASE_S on a loaded machine (building the model, hashing
+        the data), so the agent pings meanwhile: a machine that is checking is not silent."""
         from frugaltrain.train.launch import check_data, check_model
 
-        check_model(self.cfg)
-        digest = check_data(self.cfg)
-        self.channel.send({"ping": True, "data": digest})  # the run's data, or refused
+        checked: dict = {}
+
+        def check() -> None:
+            try:
+                check_model(self.cfg)
+                checked["digest"] = check_data(self.cfg)
+            except BaseException as e:  # noqa: BLE001 (raised again on the agent's thread)
+                checked["error"] = e
+
+        checking = threading.Thread(target=check, daemon=True, name="checks")
+        checking.start()
+        while checking.join(PING_S) or checking.is_alive():
+            self.channel.send({"ping": True, "metrics": [], "finished": []})
+            self.channel.recv(timeout_s=LEASE_S)
+        if "error" in checked:
+            raise checked["error"]
+        self.channel.send({"ping": True, "data": checked["digest"]})  # the run's data, or refused
         answer = self.channel.recv(timeout_s=LEASE_S)
         if "error" in answer:
             raise Refused(f"the coordinator refused this machine: {answer['error']}")
