@@ -190,14 +190,15 @@ class Cluster:
     its output file and run directory under `root`; a Watch over every output and over the
     metrics log of worker 0 (slot 0's machine writes it)."""
 
-    def __init__(self, lab: NetLab, root: Path, sets: list[str]) -> None:
+    def __init__(self, lab: NetLab, root: Path, sets: list[str], make_token=new_token) -> None:
+        """`make_token(path)` writes the run's token file (and whatever goes beside it)."""
         root.mkdir(parents=True)
         self.lab, self.root = lab, root
         self.cfg = build_config(Config, {}, [*sets, f"run.out_dir={str(root)!r}"])
         self.config = root / "run.toml"
         self.config.write_text(to_toml(self.cfg))
         self.token = root / "run.token"
-        new_token(self.token)
+        make_token(self.token)
         self.coord_dir = root / "c"
         self.procs: dict[str, subprocess.Popen] = {}
         self.started: dict[str, float] = {}
@@ -239,9 +240,10 @@ class Cluster:
     def output(self, name: str) -> str:
         return (self.root / f"{name}.out").read_text()
 
-    def up(self, machines: int, timeout_s: float) -> None:
+    def up(self, machines: int, timeout_s: float, follow: bool = True) -> None:
         """The coordinator, then machines 1..M at once; `holder` says which holds each slot
-        (by the addresses in the coordinator's log), and the watch follows slot 0's log."""
+        (by the addresses in the coordinator's log), and with `follow` the watch follows slot
+        0's log (a long run follows the machines' logs its own way: chaos.py)."""
         coord = self.coordinator()
         wait_for(lambda: "slots; machines join" in self.log(), "coordinator", timeout_s, [coord])
         agents = [self.join(i, f"m{i}") for i in range(1, machines + 1)]
@@ -249,7 +251,8 @@ class Cluster:
         wait_for(lambda: len(joined()) >= machines, "every machine joined", timeout_s, agents)
         where = {self.lab.addr(i): i for i in range(self.lab.workers)}
         self.holder = {int(slot): where[addr] for addr, slot in joined()}
-        self.watch.add("slot0", self.root / f"m{self.holder[0]}" / "metrics.jsonl")
+        if follow:
+            self.watch.add("slot0", self.root / f"m{self.holder[0]}" / "metrics.jsonl")
 
     def wait_round(self, r: int, timeout_s: float, names: list[str]) -> None:
         procs = [self.procs[n] for n in names]
@@ -297,20 +300,31 @@ def final_loss(records: list[dict]) -> float:
 def baseline(records: list[dict]) -> dict[str, float]:
     """The clean run's median round time, of rounds after an evaluation ("eval": those carry
     it) and of the others ("plain")."""
-    times, evals = round_times(records), evaluated(records)
-    plain = [t for r, t in times.items() if r - 1 not in evals]
-    after = [t for r, t in times.items() if r - 1 in evals]
+    return baseline_of(round_times(records), evaluated(records))
+
+
+def baseline_of(times: dict[int, float], extra: set[int]) -> dict[str, float]:
+    """`baseline` from round times, with `extra` the rounds whose next round carries more work
+    (an evaluation, a checkpoint)."""
+    plain = [t for r, t in times.items() if r - 1 not in extra]
+    after = [t for r, t in times.items() if r - 1 in extra]
     median = statistics.median(plain)
     return {"plain": median, "eval": statistics.median(after) if after else median}
 
 
 def time_lost(records: list[dict], window: list[int], base: dict[str, float]) -> float:
     """The rounds of `window` took this much longer than clean rounds like them."""
-    times, evals = round_times(records), evaluated(records)
+    return time_lost_of(round_times(records), evaluated(records), window, base)
+
+
+def time_lost_of(
+    times: dict[int, float], extra: set[int], window: list[int], base: dict[str, float]
+) -> float:
+    """`time_lost` from round times, with `extra` as in `baseline_of`."""
     missing = [r for r in window if r not in times]
     if missing:
         raise RuntimeError(f"no round time for rounds {missing} of the window {window}")
-    return sum(times[r] - base["eval" if r - 1 in evals else "plain"] for r in window)
+    return sum(times[r] - base["eval" if r - 1 in extra else "plain"] for r in window)
 
 
 def state_bytes(run_dir: Path) -> int:
