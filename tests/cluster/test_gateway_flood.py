@@ -326,3 +326,22 @@ def test_the_store_tunnel_refuses_another_local_user():
         tunnel.close()
     assert done.stdout.strip() == "b''", done.stderr
     assert len(lines) == 1 and "a process of uid 65534: it serves uid 0 only" in lines[0]
+
+
+def test_the_refusals_kept_are_the_newest_few(lines, monkeypatch):
+    """A long flood of refused peers must not grow the gateway's memory: it keeps the newest
+    REFUSED_KEPT refusals (and logs each)."""
+    monkeypatch.setattr(gateway, "REFUSED_KEPT", 2)
+    gw = _gateway(lines, handshake_timeout_s=5)
+    try:
+        for _ in range(3):
+            with _idle(gw.port) as sock:
+                sock.sendall(b"not TLS\n")
+                sock.settimeout(30)
+                while sock.recv(4096):
+                    pass
+        _until(lambda: sum(x.startswith("refused ") for x in lines) == 3)
+    finally:
+        gw.close()
+    assert len(gw.refused) == 2
+    assert [peer for peer, _ in gw.refused] == [x.split()[1][:-1] for x in lines[-2:]]

@@ -38,6 +38,7 @@ still keep a token holder out while they do: the caps bound what a flood holds, 
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import os
 import socket
@@ -77,6 +78,7 @@ MAX_PENDING = 64
 # agent's, and a few per worker), all at once when its workers start. A connection over a cap
 # sees EOF before the challenge, which its handshake reports as "not a coordinator".
 MAX_PENDING_PER_ADDRESS = 16
+REFUSED_KEPT = 1000
 DRAIN_S = 1.0  # after a refusal, the longest we read what the peer sent (within the deadline)
 _TURNED_AWAY_LOG_S = 10.0  # one log line per this long, at most, about connections over a cap
 
@@ -322,7 +324,8 @@ class Gateway(_Server):
         self.serve = serve
         self.log = log
         self.handshake_timeout_s = handshake_timeout_s
-        self.refused: list[tuple[str, str]] = []  # (peer, reason), in order
+        # (peer, reason), in order: the newest REFUSED_KEPT, so a long flood holds no memory
+        self.refused: collections.deque[tuple[str, str]] = collections.deque(maxlen=REFUSED_KEPT)
         self._token = token
         self._tls = token.server_context()  # before any connection: a missing key fails here
         self._gate = _Pending(log)
