@@ -277,3 +277,24 @@ def test_a_replayed_set_does_not_undo_a_later_write(lossy, tmp_path):
     finally:
         tunnel.close()
     assert lossy[-1].store.get("k") == b"theirs"
+
+
+def test_a_request_the_store_refuses_is_not_replayed_forever(run):
+    """The store closes a connection on an ADD past int64, so each replay of it is closed too:
+    after _FRUITLESS connections in a row with it held and nothing answered, the tunnel closes
+    the client's connection (as a store without a hold would at once), and the key keeps its
+    value."""
+    lines: list[str] = []
+    tunnel = _tunnel(run, hold_s=30, lines=lines)
+    try:
+        c = _client(tunnel)
+        c.add("n", 2**63 - 2)
+        with pytest.raises(dist.DistError):
+            c.add("n", 5)
+        assert _client(tunnel).add("n", 0) == 2**63 - 2
+    finally:
+        tunnel.close()
+    gave_up = [x for x in lines if "without answering the client's next request" in x]
+    assert len(gave_up) == 1 and "closed 3 connections in a row" in gave_up[0], lines
+    refused = [x for x in run[-1].lines if "past int64" in x]
+    assert len(refused) == 1 + 3, run[-1].lines  # sent, then replayed on three connections

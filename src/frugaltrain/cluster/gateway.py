@@ -578,6 +578,10 @@ class StoreTunnel(_Server):
 
 _HELLO = bytes([Query.VALIDATE]) + struct.pack("<I", MAGIC)
 _RETRY_S = 0.5
+# Store connections in a row that end with requests held and no reply before the relay gives
+# up: the store closes a connection on a query it refuses (an ADD past int64, a key over its
+# limit), so replaying that query would be refused forever.
+_FRUITLESS = 3
 _CONFIRM_AFTER = 16  # no-reply requests in a row before the relay sends a PING of its own
 _OWN_PING = bytes([Query.PING]) + b"ftrl"
 
@@ -691,9 +695,17 @@ class _Relay:
     # ---- the gateway's side
     def _remote_loop(self) -> None:
         deadline = time.monotonic() + self.tunnel.hold_s  # the first connection is held too
+        fruitless = 0  # connections in a row that ended with requests held and none answered
         while (sock := self._connect(deadline)) is not None:
-            self._serve(sock)
+            answered = self._serve(sock)
             if self._stopping():
+                break
+            fruitless = 0 if answered or not self.held else fruitless + 1
+            if fruitless >= _FRUITLESS:  # the store refuses a held request: replaying is futile
+                self.tunnel.log(
+                    f"store tunnel: the store closed {fruitless} connections in a row without "
+                    f"answering the client's next request; closing the client's connection"
+                )
                 break
             self.tunnel._went_away()
             deadline = time.monotonic() + self.tunnel.hold_s
@@ -729,15 +741,18 @@ class _Relay:
     def _stopping(self) -> bool:
         return self._done.is_set() or self.tunnel._sockets.closed
 
-    def _serve(self, sock: socket.socket) -> None:
-        """Replay what is unanswered on `sock`, then pass its replies back until it breaks."""
+    def _serve(self, sock: socket.socket) -> int:
+        """Replay what is unanswered on `sock`, then pass its replies back until it breaks;
+        the number of replies passed."""
         sock.settimeout(None)
         replay = threading.Thread(target=self._replay, args=(sock,), daemon=True)
         replay.start()  # on its own thread: replies to a long replay are read meanwhile
         reader = Reader(sock)
+        answered = 0
         try:
             while True:
                 self._pass_reply(reader)
+                answered += 1
         except (EOFError, OSError):
             pass  # the gateway went: the caller holds and reconnects
         except ProtocolError as e:
@@ -751,6 +766,7 @@ class _Relay:
             self.tunnel._sockets.discard(sock)
             reader.file.close()
             sock.close()
+        return answered
 
     def _replay(self, sock: socket.socket) -> None:
         """The opening, then every unanswered request, before any new one (the send lock)."""
