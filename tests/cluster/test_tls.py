@@ -105,3 +105,28 @@ def test_an_injected_record_ends_the_connection():
         server.recv(100)
     client.close()
     server.close()
+
+
+def test_a_server_that_closes_unread_is_a_tls_error_not_a_reset():
+    """A gateway over its caps closes a connection unread; the client's hello, unread, makes
+    that close a reset. The client says the coordinator closed the connection, in one line."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        raw = socket.create_connection(listener.getsockname(), timeout=10)
+        conn, _ = listener.accept()
+        got: dict = {}
+
+        def client() -> None:
+            try:
+                tls.open_client(raw, TOKEN.pin, time.monotonic() + 10, "the coordinator")
+            except Exception as e:  # noqa: BLE001 (the test inspects it)
+                got["error"] = e
+
+        t = threading.Thread(target=client)
+        t.start()
+        conn.settimeout(10)
+        assert conn.recv(1, socket.MSG_PEEK)  # the hello is here, and stays unread
+        conn.close()
+        t.join(20)
+        raw.close()
+    assert isinstance(got["error"], tls.TlsError), got
+    assert "closed the connection" in str(got["error"]) and "\n" not in str(got["error"])

@@ -249,14 +249,16 @@ class TlsSocket:
             except ssl.SSLError as e:
                 self._flush_quietly()  # the alert, so the peer learns why
                 raise TlsError(f"no TLS handshake: {e.reason or e}") from None
-            self.sock.sendall(self._out.read())
-            if done:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self.sock.settimeout(left)
-            wire = self.sock.recv(_READ)
+            try:
+                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                self.sock.sendall(self._out.read())
+                if done:
+                    return
+                if time.monotonic() >= deadline:
+                    raise TimeoutError
+                wire = self.sock.recv(_READ)
+            except (ConnectionError, BrokenPipeError) as e:  # a reset: it closed unread
+                raise TlsError(f"no TLS handshake: the peer closed the connection ({e})") from None
             if not wire:
                 raise TlsError("no TLS handshake: the peer closed the connection")
             self._in.write(wire)
