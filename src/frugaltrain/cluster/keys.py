@@ -90,7 +90,9 @@ def next_epoch(epoch: int) -> str:
 
 
 def low(epoch: int, worker: int) -> str:
-    """The lowest operation the worker still had pending when it entered `epoch`."""
+    """What the worker posts when it enters `epoch` (JSON): the lowest operation it still had
+    pending ("low") and the operations it had finished, each with the members whose inputs its
+    result holds ("done"), so that one finished anywhere is shared, not run again."""
     return f"ft/ep/{epoch}/low/{worker}"
 
 

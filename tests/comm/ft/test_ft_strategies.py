@@ -4,10 +4,11 @@ run.timeout_s left at its default (300 s) so that no recovery may lean on it.
 What the runs' records must show (tests/helpers/ft_records.py): each membership change was found
 by the mechanism expected for its fault (a killed peer's gloo error, the heartbeat timeout, the
 adaptive deadline), never by run.timeout_s, in the round the fault struck; every round was logged,
-with as many members as the changes recorded before it. A wait of run.timeout_s (300 s) that no
-record names would also run past the suite's 120 s limit per test (pyproject.toml). Every worker
-sleeps 0.1 s after each inner step (no CPU used) so that rounds last long enough for a killed
-worker to restart and rejoin.
+with as many members as the changes recorded before it. In ddp and diloco, whose members all
+step with one mean, the last checkpoint holds one model for every worker, bit for bit. A wait
+of run.timeout_s (300 s) that no record names would also run past the suite's 120 s limit per
+test (pyproject.toml). Every worker sleeps 0.1 s after each inner step (no CPU used) so that
+rounds last long enough for a killed worker to restart and rejoin.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ COMMON = [
     "run.timeout_s=300",
 ]
 HB_S = 3.0  # the heartbeat timeout at the default run.timeout_s (comm/ft/heartbeat.py)
+REPLICATED = ("ddp", "diloco")  # every member steps with the same mean: one model at round ends
 
 
 def _run(cfg) -> tuple[Path, list[dict]]:
@@ -88,7 +90,20 @@ def _faulted(config_factory, tmp_path: Path, strategy: str, steps: int, inject: 
         *sets,
     )
     run_dir, records = _run(cfg)
-    return _check_run(run_dir, records, steps // 4)
+    events = _check_run(run_dir, records, steps // 4)
+    if strategy in REPLICATED:  # whatever left, failed or rejoined, the members did not split
+        _same_models(run_dir)
+    return events
+
+
+def _same_models(run_dir: Path) -> None:
+    """Every worker file of the last checkpoint holds the same model, bit for bit (an absent
+    worker's is the stand-in its rejoin would take)."""
+    final = sorted((run_dir / "checkpoints").glob("round_*"))[-1]
+    models = [torch.load(p, weights_only=False)["model"] for p in sorted(final.glob("worker_*.pt"))]
+    assert len(models) == 3
+    for model in models[1:]:
+        assert all(torch.equal(model[k], models[0][k]) for k in models[0]), final
 
 
 def _left(events: dict) -> list[int]:

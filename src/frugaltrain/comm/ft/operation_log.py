@@ -17,13 +17,18 @@ posts, numbered in the order posted, and how a failure is survived.
             the deadline nor anyone's heartbeat: nobody's beats reached the store then.
     recover mark the epoch broken (the first reason wins) and re-rendezvous (elastic_world.py); the
             survivors build the new group and re-post (`settle`), in order, every operation from
-            the lowest one any of them still has pending, now over the live set: an all-reduce
-            mean divides by the live count and a mix renormalizes each row over the members that
-            delivered.
+            the lowest one any of them still has pending. One that no survivor finished runs
+            again over the live set: an all-reduce mean divides by the live count and a mix
+            renormalizes each row over the members that delivered. One that some survivor
+            finished before the failure (a peer that died in the operation's last exchanges can
+            leave it finished on some members and failed on others) is not run again: the
+            lowest survivor that finished it broadcasts its result, so every member ends with
+            the same result, over the members that took part then, and applies the same step.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +51,9 @@ RECENT_ROUNDS = 20  # round ends the adaptive deadline looks at
 @dataclass(eq=False)
 class Op:
     """One posted operation: kind in sum/max (all-reduce) or gather. `inputs` are kept so the
-    operation can be posted again in a new epoch; the rest is its current posting."""
+    operation can be posted again in a new epoch; the rest is its current posting. `covers`:
+    the members whose inputs its result holds, when it is another member's result taken by
+    broadcast (OpLog.settle); None: `members`, those it runs over."""
 
     seq: int
     kind: str
@@ -57,6 +64,7 @@ class Op:
     outputs: object = None
     done: bool = False
     result: object = None
+    covers: list[int] | None = None
 
 
 class OpLog:
@@ -89,7 +97,7 @@ class OpLog:
 
     def _launch(self, op: Op) -> None:
         world = self.world
-        op.epoch, op.members, op.done = world.epoch, list(world.members), False
+        op.epoch, op.members, op.done, op.covers = world.epoch, list(world.members), False, None
         n = len(op.members)
         if n == 1:
             op.works = []
@@ -107,10 +115,16 @@ class OpLog:
         op.outputs = buf
 
     @staticmethod
-    def _result(op: Op):
+    def _covers(op: Op) -> list[int]:
+        """The members whose inputs `op`'s result holds."""
+        return op.members if op.covers is None else op.covers
+
+    @classmethod
+    def _result(cls, op: Op):
+        covers = cls._covers(op)
         if op.kind == "gather":
-            return {r: [b[i] for b in op.outputs] for i, r in enumerate(op.members)}
-        return op.outputs, len(op.members)
+            return {r: [b[i] for b in op.outputs] for i, r in enumerate(covers)}
+        return op.outputs, len(covers)
 
     def completed(self, op: Op) -> bool:
         return op.done or all(w.is_completed() for w in op.works)
@@ -231,17 +245,28 @@ class OpLog:
 
     def settle(self, old: list[int], reason: str) -> None:
         """After a rendezvous: log who left, then re-post, in order, every operation from the
-        lowest one any old member still has pending (joiners took part in none of them)."""
+        lowest one any old member still has pending (joiners took part in none of them).
+
+        A member that died in an operation's last exchanges can leave it finished on some
+        members and failed on others (gloo: those that already had all they needed from it are
+        done). Those that finished it may have used the result already (the outer step), so
+        it is not run again: the lowest member that finished it broadcasts its result, and
+        every other member takes that, with the members whose inputs it holds. Each member
+        posts the operations it finished (`done`) next to the lowest one it has pending
+        (`low`)."""
         world = self.world
         lost = sorted(set(old) - set(world.members))
         if lost:
             world.event("left", workers=lost, reason=reason)
         stay = [m for m in world.members if m in old]
         low = min((o.seq for o in self.log if not o.done), default=self.seq)
-        world.store.set(keys.low(world.epoch, world.rank), str(low))
+        done = {o.seq: self._covers(o) for o in self.log if o.done}
+        mine = json.dumps({"low": low, "done": done})
+        world.store.set(keys.low(world.epoch, world.rank), mine)
         lows = [keys.low(world.epoch, m) for m in stay]
         world.store.wait(lows, timedelta(seconds=world.timeout_s))
-        start = min(int(v) for v in world.store.multi_get(lows))
+        posted = dict(zip(stay, (json.loads(v) for v in world.store.multi_get(lows)), strict=True))
+        start = min(p["low"] for p in posted.values())
         kept = {o.seq for o in self.log}
         if any(s not in kept for s in range(start, self.seq)):
             world.event("evicted", reason=f"cannot replay operations from {start}")
@@ -249,7 +274,39 @@ class OpLog:
         for o in sorted(self.log, key=lambda o: o.seq):
             if o.seq < start:
                 continue
-            if o.done:  # finished here but not everywhere: take part again, keep our result
-                self._launch(Op(o.seq, o.kind, o.inputs))
+            finished = [m for m in stay if str(o.seq) in posted[m]["done"]]
+            if finished:  # the same result everywhere, whoever finished it
+                root = finished[0]
+                self._share(o, root, posted[root]["done"][str(o.seq)])
             else:
                 self._launch(o)
+
+    def _share(self, op: Op, root: int, covers: list[int]) -> None:
+        """Post `op` as a broadcast of `root`'s result (over the members `covers`) to this
+        epoch's members: a member that had not finished it takes that result; one that had
+        keeps its own, which is the same."""
+        world = self.world
+        if world.pg is None:  # alone: the one member left is the one that finished it
+            assert op.done, f"operation {op.seq}: nobody here finished it"
+            return
+        if op.kind == "gather":  # one tensor per input: its part from each member of `covers`
+            if world.rank == root:
+                bufs = [
+                    torch.stack([op.result[r][i] for r in covers]) for i in range(len(op.inputs))
+                ]
+            else:
+                bufs = [p.new_empty((len(covers), *p.shape)) for p in op.inputs]
+        else:
+            bufs = [op.result[0] if world.rank == root else torch.empty_like(op.inputs[0])]
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = world.members.index(root), 0
+        works = [world.pg.broadcast([b], opts) for b in bufs]
+        if op.done:  # finished here: only lends its result (or a buffer it drops)
+            return
+        print(
+            f"[worker {world.rank} round {world.round}] operation {op.seq} ({op.kind}) was "
+            f"finished before the failure; taking worker {root}'s result over {covers}",
+            flush=True,
+        )
+        op.epoch, op.members, op.covers = world.epoch, list(world.members), list(covers)
+        op.works, op.outputs = works, bufs if op.kind == "gather" else bufs[0]
